@@ -1,0 +1,77 @@
+"""Which blocks of a prompt a generation side will ever read, paired by ordinal.
+
+For a group with window ``W`` and a prompt of ``P`` tokens in blocks of ``B``::
+
+    ordinal:   0      1      ...  stale_end-1 | stale_end ...  T-1 | T ...
+    tokens:  [0,B) [B,2B)  ...               | ... prompt ...     | drafts, extra slots
+             <--- no future query reads ---> | <--- the slice ---> | <- never travels ->
+
+    stale_end = max(0, (P + 1 - W) // B)   (0 for a full-attention group)
+    T         = ceil(P / B)
+
+The first query after the prompt sits at position ``P`` and reads keys
+``[P - W + 1, P]``; block ``i`` is stale when its last token ``(i+1)B - 1``
+is below ``P - W + 1``, i.e. ``i < (P + 1 - W) / B``.
+
+Pairs are made by ordinal: entry ``i`` of the source table goes to entry
+``i`` of the destination table. Nothing here trims a table by count.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from kvcache.capacity import num_blocks
+
+UNBOUND = -1
+
+
+class KVSliceError(ValueError):
+    """The sender lacks a block the receiver needs, or a table is too short."""
+
+
+def stale_end(prompt_len: int, window: int | None, tokens_per_block: int) -> int:
+    """Number of leading blocks that no query at or after ``prompt_len`` reads."""
+    if prompt_len < 0 or tokens_per_block < 1:
+        raise ValueError(f"bad prompt_len={prompt_len} or tokens_per_block={tokens_per_block}")
+    if window is None:
+        return 0
+    return max(0, (prompt_len + 1 - window) // tokens_per_block)
+
+
+def slice_range(prompt_len: int, window: int | None, tokens_per_block: int) -> range:
+    """Ordinals ``[stale_end, T)`` that hold prompt tokens a future query reads."""
+    return range(
+        stale_end(prompt_len, window, tokens_per_block),
+        num_blocks(prompt_len, tokens_per_block),
+    )
+
+
+def plan_slice(
+    src_ordinals: Sequence[int],
+    dst_ordinals: Sequence[int],
+    prompt_len: int,
+    window: int | None,
+    tokens_per_block: int,
+) -> list[tuple[int, int, int]]:
+    """``(ordinal, src_page, dst_page)`` for each ordinal of the slice whose dst is bound.
+
+    A ``-1`` in ``dst`` means the receiver has or does not want that block:
+    it is skipped and its neighbours keep their ordinals. A ``-1`` in ``src``
+    inside the slice, or a table shorter than the slice, raises KVSliceError
+    before anything is planned, so nothing moves.
+    """
+    ordinals = slice_range(prompt_len, window, tokens_per_block)
+    for name, table in (("source", src_ordinals), ("destination", dst_ordinals)):
+        if len(table) < ordinals.stop:
+            raise KVSliceError(
+                f"{name} table has {len(table)} entries but the slice needs ordinals "
+                f"{ordinals.start}..{ordinals.stop - 1} (prompt_len={prompt_len}, B={tokens_per_block})"
+            )
+    missing = [i for i in ordinals if src_ordinals[i] == UNBOUND]
+    if missing:
+        raise KVSliceError(
+            f"source has no page for ordinals {missing} inside the slice "
+            f"[{ordinals.start}, {ordinals.stop}) (prompt_len={prompt_len}, window={window})"
+        )
+    return [(i, src_ordinals[i], dst_ordinals[i]) for i in ordinals if dst_ordinals[i] != UNBOUND]
