@@ -31,6 +31,8 @@ class RequestUpdate:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    num_drafts_proposed: int = 0
+    num_drafts_accepted: int = 0
 
     @property
     def is_finished(self) -> bool:

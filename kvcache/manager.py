@@ -141,8 +141,9 @@ class KVCacheManager:
         Returns the number of pages given back. Full groups are untouched.
         """
         blocks = self._get(request_id)
-        if not 0 <= num_computed_tokens <= blocks.num_tokens:
-            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {blocks.num_tokens}]")
+        # Accepted drafts are computed before append() commits them: up to capacity is valid.
+        if not 0 <= num_computed_tokens <= blocks.capacity:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {blocks.capacity}]")
         released = 0
         for group in self.spec.groups:
             end = min(stale_end(num_computed_tokens, group.window, self.spec.tokens_per_block), blocks.num_ordinals)

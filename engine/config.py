@@ -1,0 +1,56 @@
+"""Engine configuration: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` picks CUDA when present, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine (one worker) runs, and how much it may hold.
+
+    ``num_pages`` is per layer group. ``max_num_batched_tokens`` is the token
+    budget of one forward pass (prefill chunks are cut to fit it);
+    ``max_num_seqs`` caps the requests in one batch. ``max_model_len`` (None =
+    the model's own limit) bounds prompt + output.
+    """
+
+    model: str = "windserve-tiny"
+    tokens_per_block: int = 16
+    num_pages: int = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    max_draft_len: int = 0
+    drafter: str = "ngram"
+    device: str = "auto"
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("tokens_per_block", "num_pages", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_draft_len < 0:
+            raise ValueError(f"max_draft_len must be >= 0, got {self.max_draft_len}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,220 @@
+"""LLMEngine: the step-wise engine both workers drive.
+
+    add_request / add_prefilled ─┐
+                                 ▼
+    step(): Scheduler.schedule ─► ModelRunner.run ─► sample / verify ─► StopChecker
+                                 │                                        │
+                                 └──── KVCacheManager (pages, windows) ◄──┘  release_stale / free
+
+Two entry points serve disaggregation: ``add_request(..., prefill_only=True)``
+parks the request after its first token with its pages kept (``release``
+frees them), and ``reserve_prefilled`` + ``add_prefilled`` start a request
+whose prompt KV a transport has written into its pages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+
+from engine.config import EngineConfig
+from engine.drafter import make_drafter
+from engine.outputs import RequestUpdate
+from engine.params import SamplingParams
+from engine.request import Request, Status
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from engine.stopping import StopChecker
+from engine.tokenizer import IncrementalDecoder
+from engine.worker_model import WorkerModel
+from kvcache import KVCacheManager
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus room for one output token) does not fit ``max_model_len`` or the cache."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, role: str = "both", model: WorkerModel | None = None) -> None:
+        if role not in ("both", "context", "generation"):
+            raise ValueError(f"role must be 'both', 'context' or 'generation', got {role!r}")
+        self.config = config
+        self.role = role
+        self.model = model or WorkerModel.load(config)
+        self.tokenizer = self.model.tokenizer
+        self.max_model_len = self.model.max_model_len
+        self.manager = KVCacheManager(self.model.kv_spec, config.num_pages, device=self.model.device)
+        drafter = make_drafter(config.drafter, config.max_draft_len) if config.max_draft_len and role != "context" else None
+        self.drafter = drafter
+        self.scheduler = Scheduler(self._scheduler_config(), self.manager, self._propose if drafter else None)
+        self.runner = ModelRunner(self.model.module, self.manager, self.model.device)
+        self.sampler = Sampler()
+        self._requests: dict[str, Request] = {}
+        self._stoppers: dict[str, StopChecker] = {}
+        self._arrivals = itertools.count()
+        self._seeds = random.Random(config.seed)
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            draft_len=self.draft_len,
+            num_extra_kv_tokens=self.num_extra_kv_tokens,
+            include_drafts=self.role != "context",
+        )
+
+    @property
+    def draft_len(self) -> int:
+        return self.drafter.max_draft_len if self.drafter else 0
+
+    @property
+    def num_extra_kv_tokens(self) -> int:
+        return self.drafter.num_extra_kv_tokens if self.drafter else 0
+
+    def _propose(self, request: Request, max_len: int) -> list[int]:
+        return self.drafter.propose(request.all_token_ids, max_len) if max_len > 0 else []
+
+    # -- adding requests ---------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False) -> None:
+        request = self._new_request(request_id, prompt_token_ids, params, prefill_only)
+        self.scheduler.add(request)
+
+    def reserve_prefilled(self, request_id: str, prompt_len: int) -> bool:
+        """Bind pages for a prompt whose KV will arrive by transfer; False if the cache is full now."""
+        kwargs = dict(num_computed_tokens=prompt_len, draft_len=self.draft_len, num_extra_kv_tokens=self.num_extra_kv_tokens)
+        if not self.manager.can_allocate(prompt_len, **kwargs):
+            return False
+        self.manager.allocate(request_id, prompt_len, **kwargs)
+        return True
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams) -> list[RequestUpdate]:
+        """Start decoding a request whose prompt KV sits in the pages ``reserve_prefilled`` bound."""
+        if self.manager.num_tokens(request_id) != len(prompt_token_ids):
+            raise ValueError(f"request {request_id!r}: reserved {self.manager.num_tokens(request_id)} tokens, prompt has {len(prompt_token_ids)}")
+        request = self._new_request(request_id, prompt_token_ids, params, False)
+        request.num_computed_tokens = len(prompt_token_ids)
+        self.scheduler.add_running(request)
+        return [self._accept_tokens(request, [first_token_id], [None])]
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool) -> Request:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        self.check_prompt(len(prompt_token_ids))
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        generator = None if params.is_greedy else torch.Generator(device="cpu").manual_seed(seed)
+        request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), generator, prefill_only)
+        decoder = IncrementalDecoder(self.tokenizer, prompt_ids=prompt_token_ids)
+        self._requests[request_id] = request
+        self._stoppers[request_id] = StopChecker(request, decoder, self.tokenizer.eos_token_ids, self.max_model_len)
+        return request
+
+    def check_prompt(self, prompt_len: int) -> None:
+        if prompt_len < 1:
+            raise PromptTooLongError("the prompt is empty")
+        if prompt_len >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {prompt_len} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, prompt plus at least one output token"
+            )
+        need = prompt_len + 1 + self.draft_len + self.num_extra_kv_tokens
+        have = self.manager.num_total_pages("full" if "full" in self.manager.pools else self.manager.spec.groups[0].name) * self.manager.spec.tokens_per_block
+        if need > have:
+            raise PromptTooLongError(f"the prompt needs {need} KV slots; this worker's cache holds {have}")
+
+    # -- running ---------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestUpdate]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.runner.run(scheduled)
+        updates = []
+        for item, rows in zip(scheduled, logits):
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if rows is not None:
+                updates.append(self._sample(item, rows))
+            if request.status == Status.RUNNING:
+                self.manager.release_stale(request.request_id, request.num_computed_tokens)
+        return updates
+
+    def _sample(self, item: ScheduledRequest, rows: torch.Tensor) -> RequestUpdate:
+        request = item.request
+        if item.draft_token_ids:
+            result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator)
+            request.num_drafts_proposed += len(item.draft_token_ids)
+            request.num_drafts_accepted += result.num_accepted
+            request.num_computed_tokens += result.num_accepted
+            return self._accept_tokens(request, result.token_ids, result.logprobs)
+        result = self.sampler.sample(rows, [request.params], [request.generator])
+        return self._accept_tokens(request, result.token_ids, result.logprobs)
+
+    def _accept_tokens(self, request: Request, token_ids: list[int], logprobs: list) -> RequestUpdate:
+        stopper = self._stoppers[request.request_id]
+        before = request.num_output_tokens
+        reason = stopper.add_tokens(token_ids, logprobs)
+        if reason is None and request.prefill_only:
+            reason = "prefilled"
+        # Tokens computed past a stop are dropped: computed never exceeds the kept tokens.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+        return self._update(request, before, reason)
+
+    def _update(self, request: Request, before: int, reason: str | None) -> RequestUpdate:
+        stopper = self._stoppers[request.request_id]
+        new_ids = request.output_token_ids[before:]
+        update = RequestUpdate(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_text=stopper.new_text(reason is not None),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            finish_reason=reason,
+            logprobs=request.output_logprobs[before:] if request.params.logprobs is not None else None,
+            num_drafts_proposed=request.num_drafts_proposed,
+            num_drafts_accepted=request.num_drafts_accepted,
+        )
+        if reason is not None and request.status == Status.FINISHED:
+            self._forget(request.request_id)
+        return update
+
+    # -- ending ----------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its pages; False if it is unknown."""
+        request = self._requests.get(request_id)
+        if request is None:
+            existed = self.manager.has_request(request_id)
+            self.manager.free(request_id)  # reserved for a transfer that never started
+            return existed
+        request.prefill_only = False
+        self.scheduler.finish(request, "abort")
+        self._forget(request_id)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free a parked prefill-only request's pages (its KV has been sent, or its lease lapsed)."""
+        self.abort(request_id)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._stoppers.pop(request_id, None)
+
+    def stats(self) -> dict:
+        return {
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_free_pages": self.manager.num_free_pages(),
+            "num_total_pages": self.manager.num_total_pages(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_forward_passes": self.runner.num_forward_passes,
+        }

@@ -1,0 +1,76 @@
+"""One request's progress through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PARKED = "parked"  # prefill-only: first token sampled, pages kept for a transfer
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Tokens of one request and how far their KV has been computed.
+
+    ``num_computed_tokens`` catches up with ``num_tokens``: the tokens in
+    ``[num_computed_tokens, num_tokens)`` are the next to run through the
+    model (a prefill chunk, or the one pending sampled token in decode).
+    When a step reaches ``num_tokens`` the model's last logits sample the
+    next token, which becomes the new pending one.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    generator: torch.Generator | None = None
+    prefill_only: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_drafts_proposed: int = 0
+    num_drafts_accepted: int = 0
+    num_emitted_tokens: int = 0
+    emitted_text: str = ""
+    text: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the pending sampled token is left to compute."""
+        return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,69 @@
+"""ModelRunner: turns a scheduled step into one forward pass and per-request logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.forward import ForwardBatch
+from engine.scheduler import ScheduledRequest
+from kvcache import KVCacheManager
+
+
+class ModelRunner:
+    """Owns the model's device side: builds the ForwardBatch from block tables and runs it.
+
+    The page tensors are the manager's own storage, so what the model writes
+    is what a transport moves.
+    """
+
+    def __init__(self, model: torch.nn.Module, manager: KVCacheManager, device: str) -> None:
+        self.model = model
+        self.manager = manager
+        self.device = torch.device(device)
+        self.num_forward_passes = 0
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledRequest]) -> list[torch.Tensor | None]:
+        """Logits ``[1 + num_drafts, V]`` for each request that samples this step, else None."""
+        batch, rows = self._build(scheduled)
+        logits = self.model(batch).float()
+        self.num_forward_passes += 1
+        out: list[torch.Tensor | None] = []
+        for span in rows:
+            out.append(None if span is None else logits[span[0]:span[1]])
+        return out
+
+    def _build(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[tuple[int, int] | None]]:
+        input_ids: list[int] = []
+        query_lens, seq_lens, logits_indices = [], [], []
+        rows: list[tuple[int, int] | None] = []
+        for item in scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            tokens = request.all_token_ids[start:start + item.num_new_tokens] + item.draft_token_ids
+            input_ids.extend(tokens)
+            query_lens.append(len(tokens))
+            seq_lens.append(start + len(tokens))
+            if item.reaches_end:
+                first = len(logits_indices)
+                end_of_request = len(input_ids)
+                logits_indices.extend(range(end_of_request - 1 - len(item.draft_token_ids), end_of_request))
+                rows.append((first, len(logits_indices)))
+            else:
+                rows.append(None)
+        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+        tables = {
+            group.name: [self.manager.get_block_ordinals(item.request.request_id, group.name) for item in scheduled]
+            for group in self.manager.spec.groups
+        }
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=positions.to(self.device),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            kv_caches=self.manager.storage.tensors,
+            tokens_per_block=self.manager.spec.tokens_per_block,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+        )
+        return batch, rows

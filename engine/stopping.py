@@ -1,0 +1,61 @@
+"""Stop conditions and streamed text for one request."""
+
+from __future__ import annotations
+
+from engine.request import Request
+from engine.tokenizer import IncrementalDecoder
+
+
+class StopChecker:
+    """Appends sampled tokens to a request and decides when it ends.
+
+    Stops on EOS (unless ``ignore_eos``), a stop token id, ``max_tokens``,
+    ``max_model_len``, or a stop string; a stop string and everything after
+    it is cut from the text. Text that could still grow into a stop string is
+    held back from streaming until it cannot.
+    """
+
+    def __init__(self, request: Request, decoder: IncrementalDecoder, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.request = request
+        self.decoder = decoder
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.hold_back = max((len(s) for s in request.params.stop), default=1) - 1
+        self.is_cut = False
+
+    def add_tokens(self, token_ids: list[int], logprobs: list) -> str | None:
+        """Append tokens one by one until one ends the request; return the finish reason or None."""
+        request, params = self.request, self.request.params
+        for token_id, logprob in zip(token_ids, logprobs):
+            request.output_token_ids.append(token_id)
+            request.output_logprobs.append(logprob)
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if token_id in params.stop_token_ids:
+                return "stop"
+            request.text += self.decoder.push(token_id)
+            if params.stop and self._cut_at_stop_string():
+                return "stop"
+            if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+                return "length"
+        return None
+
+    def _cut_at_stop_string(self) -> bool:
+        text = self.request.text
+        search_from = max(0, len(self.request.emitted_text) - self.hold_back)
+        hits = [i for i in (text.find(s, search_from) for s in self.request.params.stop) if i >= 0]
+        if not hits:
+            return False
+        self.request.text = text[:min(hits)]
+        self.is_cut = True
+        return True
+
+    def new_text(self, is_finished: bool) -> str:
+        """Text not yet streamed that can no longer become part of a stop string."""
+        request = self.request
+        if is_finished and not self.is_cut:
+            request.text += self.decoder.flush()
+        end = len(request.text) if is_finished else max(len(request.emitted_text), len(request.text) - self.hold_back)
+        piece = request.text[len(request.emitted_text):end]
+        request.emitted_text += piece
+        return piece
