@@ -21,6 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.drafter import make_drafter
+from engine.layout import kv_cache_spec
 from engine.outputs import RequestUpdate
 from engine.params import SamplingParams
 from engine.request import Request, Status
@@ -45,10 +46,11 @@ class LLMEngine:
         self.role = role
         self.model = model or WorkerModel.load(config)
         self.tokenizer = self.model.tokenizer
-        self.max_model_len = self.model.max_model_len
-        self.manager = KVCacheManager(self.model.kv_spec, config.num_pages, device=self.model.device)
+        spec = kv_cache_spec(self.model.hf_config, config.tokens_per_block, self.model.dtype)
+        self.manager = KVCacheManager(spec, config.num_pages, device=self.model.device)
         drafter = make_drafter(config.drafter, config.max_draft_len) if config.max_draft_len and role != "context" else None
         self.drafter = drafter
+        self.max_model_len = self._max_model_len()
         self.scheduler = Scheduler(self._scheduler_config(), self.manager, self._propose if drafter else None)
         self.runner = ModelRunner(self.model.module, self.manager, self.model.device)
         self.sampler = Sampler()
@@ -56,6 +58,16 @@ class LLMEngine:
         self._stoppers: dict[str, StopChecker] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
+
+    def _max_model_len(self) -> int:
+        """The model's limit, the config's, and what one request alone can hold in the cache
+        (so that preempting the others always lets a request finish)."""
+        limit = self.model.max_position_embeddings
+        if self.config.max_model_len is not None:
+            limit = min(limit, self.config.max_model_len)
+        smallest_pool = min(pool.num_pages for pool in self.manager.pools.values())
+        room = smallest_pool * self.config.tokens_per_block - self.draft_len - self.num_extra_kv_tokens
+        return min(limit, room)
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -120,10 +132,6 @@ class LLMEngine:
                 f"the prompt has {prompt_len} tokens; this model's maximum context length is "
                 f"{self.max_model_len} tokens, prompt plus at least one output token"
             )
-        need = prompt_len + 1 + self.draft_len + self.num_extra_kv_tokens
-        have = self.manager.num_total_pages("full" if "full" in self.manager.pools else self.manager.spec.groups[0].name) * self.manager.spec.tokens_per_block
-        if need > have:
-            raise PromptTooLongError(f"the prompt needs {need} KV slots; this worker's cache holds {have}")
 
     # -- running ---------------------------------------------------------
     def has_unfinished(self) -> bool:

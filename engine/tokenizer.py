@@ -1,0 +1,119 @@
+"""Text <-> token ids for a local model directory, and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt ids kept as context for the first generated ids, so that
+# context-dependent decoders (SentencePiece's leading space) render them as
+# they would in the full text.
+NUM_PROMPT_CONTEXT_IDS = 5
+
+
+class Tokenizer:
+    """A transformers fast tokenizer loaded from a local directory, with the calls windserve needs."""
+
+    def __init__(self, model_path: str):
+        from transformers import AutoTokenizer
+
+        self.model_path = model_path
+        self._hf = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(self._hf.eos_token_id, model_path)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added special tokens included."""
+        return len(self._hf)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._hf.pad_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self._hf.chat_template)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` as written: no BOS/EOS added; special-token text maps to special ids."""
+        return self._hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Ids of the rendered conversation followed by the assistant's generation prompt.
+
+        Raises ``ValueError`` when the model has no chat template or the
+        template rejects the messages (e.g. a role it does not know).
+        """
+        if not self.has_chat_template:
+            raise ValueError(f"the tokenizer of {self.model_path!r} has no chat template; send a plain prompt instead")
+        from jinja2 import TemplateError
+
+        try:
+            text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as e:
+            raise ValueError(f"cannot render the chat template of {self.model_path!r}: {e}") from e
+        return self.encode(text)
+
+
+def _eos_token_ids(tokenizer_eos: int | None, model_path: str) -> tuple[int, ...]:
+    """The tokenizer's EOS, then generation_config.json's (an int or a list), without repeats."""
+    ids = [] if tokenizer_eos is None else [tokenizer_eos]
+    path = os.path.join(model_path, GENERATION_CONFIG_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            configured = json.load(f).get("eos_token_id")
+        ids += configured if isinstance(configured, list) else [] if configured is None else [configured]
+    return tuple(dict.fromkeys(ids))
+
+
+class IncrementalDecoder:
+    """Turns generated ids, one at a time, into text pieces for streaming.
+
+    A piece is emitted only when the text decoded so far does not end in an
+    incomplete character (U+FFFD), so a multi-byte character split over
+    several byte tokens comes out whole. ``push`` pieces followed by
+    ``flush()`` concatenate to ``decode(generated ids)``.
+
+    Only a window of ids is re-decoded per step; the last emitted piece's
+    ids stay in it as context, so the cost per step does not grow:
+
+        ids:  [ ... | prefix_offset .. read_offset) [read_offset .. end)
+                      last emitted piece              not yet emitted
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids)
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(0, self._read_offset - NUM_PROMPT_CONTEXT_IDS)
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the newly completed text ("" while a character is incomplete)."""
+        self._ids.append(token_id)
+        prefix_text, full_text = self._decode_window()
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._advance(full_text[len(prefix_text):])
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the end comes out as U+FFFD)."""
+        prefix_text, full_text = self._decode_window()
+        return self._advance(full_text[len(prefix_text):])
+
+    def _decode_window(self) -> tuple[str, str]:
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special_tokens)
+        full = decode(self._ids[self._prefix_offset:], self._skip_special_tokens)
+        return prefix, full
+
+    def _advance(self, piece: str) -> str:
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return piece
