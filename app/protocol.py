@@ -1,0 +1,229 @@
+"""OpenAI request schemas (pydantic) and their mapping onto SamplingParams.
+
+Unknown fields are ignored: OpenAI clients send many (``user``,
+``response_format``, ``tools`` ...), and ``null`` means "the default", as
+clients that serialize every optional field expect. Known fields that would change the
+answer and that windserve does not implement (``n > 1``, ``best_of``,
+``echo``, non-text content parts) are rejected with a 400 rather than
+silently ignored.
+
+Length policy (the prompt must leave room for one token; ``max_tokens`` is
+then clamped, not rejected)::
+
+    prompt_len >= max_model_len        -> 400 context_length_exceeded
+    max_tokens omitted                 -> 16 (completions, OpenAI's default)
+                                          max_model_len - prompt_len (chat)
+    max_tokens > room left             -> clamped to max_model_len - prompt_len
+
+vLLM rejects ``prompt_len + max_tokens > max_model_len`` instead; clamping
+keeps clients that always send a large ``max_tokens`` working, and the
+clamped request reports ``finish_reason="length"`` like any other.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from engine.params import SamplingParams
+
+
+def _encodable(text: str) -> str:
+    """JSON escapes can smuggle lone surrogates in; no tokenizer accepts them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text is not valid Unicode (lone surrogate)") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+MAX_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class ParamError(ValueError):
+    """A request field the schema accepts but this request cannot use (a 400)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields common to completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # vLLM extension; -1 and 0 mean off
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list)  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: object) -> object:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_non_empty(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if any(not s for s in strings):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return None
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        """``max_tokens`` is the already-clamped budget (see module docstring)."""
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            seed=self.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
+        )
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _only_best_of_one(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return best_of
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt; a batch of several, or an empty one, raises ParamError."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ParamError("prompt", "only one prompt per request is supported")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise ParamError("prompt", "prompt must not be empty")
+        return prompt
+
+    def requested_max_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
+
+    def to_template_dict(self) -> dict:
+        """The message as a chat template reads it: content flattened to text."""
+        if isinstance(self.content, list):
+            text = "".join(part.text for part in self.content)
+        else:
+            text = self.content or ""
+        message = {"role": self.role, "content": text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs=true")
+        return top
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def clamp_max_tokens(requested: int | None, prompt_len: int, max_model_len: int) -> int:
+    """Tokens this request may generate; the caller has checked prompt_len < max_model_len."""
+    room = max_model_len - prompt_len
+    return room if requested is None else min(requested, room)
