@@ -23,7 +23,8 @@ class EngineConfig:
     ``num_pages`` is per layer group. ``max_num_batched_tokens`` is the token
     budget of one forward pass (prefill chunks are cut to fit it);
     ``max_num_seqs`` caps the requests in one batch. ``max_model_len`` (None =
-    the model's own limit) bounds prompt + output.
+    the model's own limit) bounds prompt + output. ``num_extra_kv_tokens``
+    reserves KV slots per request beyond those the drafter declares.
     """
 
     model: str = "windserve-tiny"
@@ -34,6 +35,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_draft_len: int = 0
     drafter: str = "ngram"
+    num_extra_kv_tokens: int = 0
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
@@ -44,6 +46,8 @@ class EngineConfig:
         for name in ("tokens_per_block", "num_pages", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_extra_kv_tokens < 0:
+            raise ValueError(f"num_extra_kv_tokens must be >= 0, got {self.num_extra_kv_tokens}")
         if self.max_draft_len < 0:
             raise ValueError(f"max_draft_len must be >= 0, got {self.max_draft_len}")
         if self.max_model_len is not None and self.max_model_len < 2:

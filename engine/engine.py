@@ -85,7 +85,8 @@ class LLMEngine:
 
     @property
     def num_extra_kv_tokens(self) -> int:
-        return self.drafter.num_extra_kv_tokens if self.drafter else 0
+        declared = self.drafter.num_extra_kv_tokens if self.drafter else 0
+        return declared + self.config.num_extra_kv_tokens
 
     def _propose(self, request: Request, max_len: int) -> list[int]:
         return self.drafter.propose(request.all_token_ids, max_len) if max_len > 0 else []

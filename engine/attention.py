@@ -1,0 +1,208 @@
+"""Paged attention over ``kv[group]: [num_pages, num_layers_in_group, 2, B, num_kv_heads, head_dim]``.
+
+Request ``r`` has ``S = seq_lens[r]`` and its first new token at ``a = S - query_lens[r]``.
+The keys read, per group window ``W`` (query ``p`` attends ``[p - W + 1, p]``)::
+
+    position     0 ...... a-W+1 ........ a ........ S-1
+    full         [-------------------- read ----------]
+    sliding              [------------ read ----------]
+    ordinals read     (a-W+1)//B  ...   (S-1)//B        each one must be bound (!= -1)
+
+No ordinal below the window's first block is indexed, so a released (-1)
+ordinal is never read. Pages are read whole; the slots of a read page that no
+query attends (before the window, past ``S - 1``) are zeroed in the gathered
+copy and masked, so whatever they hold (even NaN) cannot reach the output.
+
+Everything index-shaped is computed once per forward and group
+(:func:`build_group_attention`) and reused by every layer of the group.
+Requests are attended in padded *buckets* (decode steps together, a long
+prefill chunk on its own) so no layer loops over requests one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.forward import ForwardBatch
+
+# Padding a bucket is allowed to waste: 2x the real score count plus this many scores.
+_BUCKET_SLACK = 1 << 16
+
+
+@dataclass(frozen=True)
+class AttentionBucket:
+    """Requests attended together, padded to ``R x Q`` queries and ``R x K`` keys (``K = blocks * B``).
+
+    Keys are read a whole page at a time: request r's key ``j`` is position
+    ``first_block[r] * B + j``. Rows nobody attends (before the window, past
+    ``S - 1``, padding) are zeroed after the gather so leftover NaN/inf in a
+    page cannot leak through a zero attention weight.
+    """
+
+    query_rows: torch.Tensor  # [R, Q] rows of the N new tokens; padding repeats the last one
+    block_rows: torch.Tensor  # [R * blocks] page id * (layers_in_group * 2): row of layer 0's K in the page view
+    mask: torch.Tensor  # [R, Q, K] bool, True = attend
+    dead_keys: torch.Tensor  # [M] rows of the flattened R*K keys that no query attends
+    out_rows: torch.Tensor  # [M'] rows of the flattened R*Q output that are real queries
+    out_tokens: torch.Tensor  # [M'] the rows among the N tokens they belong to
+
+
+@dataclass(frozen=True)
+class GroupAttention:
+    """Per forward and layer group: where the new tokens' K/V go, and what each query reads."""
+
+    window: int | None
+    write_rows: torch.Tensor  # [N] (page id * layers_in_group * 2) * B + slot: layer 0's K row in the slot view
+    buckets: tuple[AttentionBucket, ...]
+
+
+def plan_buckets(query_lens: list[int], key_lens: list[int]) -> list[list[int]]:
+    """Group request indices so that padding each group costs at most ~2x its real work."""
+    order = sorted(range(len(query_lens)), key=lambda r: (query_lens[r], key_lens[r]))
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    max_q = max_k = work = 0
+    for r in order:
+        q, k = query_lens[r], key_lens[r]
+        new_q, new_k, new_work = max(max_q, q), max(max_k, k), work + q * k
+        if current and (len(current) + 1) * new_q * new_k > 2 * new_work + _BUCKET_SLACK:
+            buckets.append(current)
+            current, new_q, new_k, new_work = [], q, k, q * k
+        current.append(r)
+        max_q, max_k, work = new_q, new_k, new_work
+    buckets.append(current)
+    return buckets
+
+
+def _padded_table(tables: list[list[int]], min_width: int) -> torch.Tensor:
+    width = max(min_width, max(len(t) for t in tables))
+    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
+
+
+def _raise_unbound(pages: torch.Tensor, valid: torch.Tensor, group: str, what: str) -> None:
+    bad = ((pages < 0) & valid).nonzero()
+    if bad.numel():
+        raise ValueError(
+            f"layer group {group!r}: {what} needs an unbound (-1) block-table ordinal (at {bad[0].tolist()})"
+        )
+
+
+def _build_bucket(members, per_request, table, block_size, window, group, page_rows) -> AttentionBucket:
+    """``per_request``: lists indexed by request
+    (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)."""
+    query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets = (
+        torch.tensor([values[r] for r in members], dtype=torch.long)[:, None] for values in per_request
+    )
+    q_idx = torch.arange(int(query_lens.max()))[None]
+    q_valid, q_idx = q_idx < query_lens, torch.minimum(q_idx, query_lens - 1)
+    b_idx = torch.arange(int(num_blocks.max()))[None]
+    pages = table[torch.tensor(members)[:, None], first_blocks + torch.minimum(b_idx, num_blocks - 1)]
+    _raise_unbound(pages, b_idx < num_blocks, group, "attention")
+    k_pos = first_blocks * block_size + torch.arange(b_idx.shape[1] * block_size)[None]
+    q_pos, query_rows = query_starts + q_idx, offsets + q_idx
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]  # padding keys lie past S - 1: causality drops them
+    if window is not None:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    dead_keys = (~mask.any(dim=1)).flatten().nonzero().squeeze(1)
+    out_rows = q_valid.flatten().nonzero().squeeze(1)
+    return AttentionBucket(query_rows, (pages * page_rows).flatten(), mask, dead_keys, out_rows,
+                           query_rows.flatten()[out_rows])
+
+
+def build_group_attention(
+    batch: ForwardBatch, group: str, window: int | None, device: torch.device | str
+) -> GroupAttention:
+    """Index tensors for one group (built on CPU from Python lists, then moved: no device sync)."""
+    block_size, seq_lens, query_lens = batch.tokens_per_block, batch.seq_lens, batch.query_lens
+    page_rows = 2 * batch.kv_caches[group].shape[1]  # K and V rows of every layer in a page
+    query_starts = [s - q for q, s in zip(query_lens, seq_lens)]
+    first_blocks = [0 if window is None else max(0, a - window + 1) // block_size for a in query_starts]
+    num_blocks = [(s - 1) // block_size + 1 - f for s, f in zip(seq_lens, first_blocks)]
+    offsets = [0]
+    for q in query_lens[:-1]:
+        offsets.append(offsets[-1] + q)
+    table = _padded_table(batch.block_tables[group], (max(seq_lens) - 1) // block_size + 1)
+    positions = batch.expected_positions()
+    requests = torch.repeat_interleave(torch.arange(batch.num_requests), torch.tensor(query_lens))
+    write_pages = table[requests, positions // block_size]
+    _raise_unbound(write_pages, torch.ones_like(write_pages, dtype=torch.bool), group, "a KV write")
+    write_rows = write_pages * page_rows * block_size + positions % block_size
+    per_request = (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)
+    key_lens = [n * block_size for n in num_blocks]
+    buckets = tuple(
+        _to_device(_build_bucket(members, per_request, table, block_size, window, group, page_rows), device)
+        for members in plan_buckets(query_lens, key_lens)
+    )
+    return GroupAttention(window, write_rows.to(device), buckets)
+
+
+def _to_device(bucket: AttentionBucket, device: torch.device | str) -> AttentionBucket:
+    return AttentionBucket(*(t.to(device, non_blocking=True) for t in vars(bucket).values()))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer_index: int,
+    meta: GroupAttention,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Write the new tokens' K/V into their pages, then attend. query [N, Hq, D], key/value [N, Hkv, D].
+
+    ``kv_cache`` must be contiguous: it is read through two flat views,
+    ``[pages * layers * 2 * B, Hkv * D]`` (one token's K or V per row) for writes
+    and ``[pages * layers * 2, B * Hkv * D]`` (one layer's K or V of a page per row) for reads.
+    """
+    if not kv_cache.is_contiguous():
+        raise ValueError("paged_attention needs a contiguous KV page tensor")
+    block_size, num_tokens = kv_cache.shape[3], query.shape[0]
+    token_rows = kv_cache.view(-1, kv_cache.shape[4] * kv_cache.shape[5])
+    k_row = 2 * layer_index
+    for row, new in ((k_row, key), (k_row + 1, value)):
+        token_rows.index_copy_(0, meta.write_rows + row * block_size, new.reshape(num_tokens, -1).to(kv_cache.dtype))
+    page_rows = kv_cache.view(-1, block_size * token_rows.shape[1])
+    attend = _attend if sinks is None else _attend_with_sinks
+    out = torch.empty_like(query)
+    for b in meta.buckets:
+        keys = _gather(page_rows, b, k_row, key.shape[1:]).to(query.dtype)
+        values = _gather(page_rows, b, k_row + 1, key.shape[1:]).to(query.dtype)
+        result = attend(query[b.query_rows], keys, values, b.mask, scale, sinks)
+        out[b.out_tokens] = result.flatten(0, 1)[b.out_rows]
+    return out
+
+
+def _gather(page_rows: torch.Tensor, bucket: AttentionBucket, row: int, head_shape) -> torch.Tensor:
+    """[R, K, Hkv, D] keys (or values) of one layer, dead rows zeroed."""
+    gathered = page_rows.index_select(0, bucket.block_rows + row)
+    flat = gathered.view(-1, head_shape.numel())
+    flat.index_fill_(0, bucket.dead_keys, 0)
+    return flat.view(bucket.mask.shape[0], -1, *head_shape)
+
+
+def _attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
+    """q [R, Q, Hq, D], k/v [R, K, Hkv, D], mask [R, Q, K] -> [R, Q, Hq, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+def _attend_with_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
+    """As :func:`_attend`, with one learned logit per head added to the softmax denominator."""
+    num_req, num_q, num_heads, dim = q.shape
+    num_kv_heads, num_k = k.shape[2], k.shape[1]
+    rep = num_heads // num_kv_heads
+    q = q.view(num_req, num_q, num_kv_heads, rep, dim).permute(0, 2, 3, 1, 4).reshape(num_req, num_kv_heads, -1, dim)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float().mul_(scale)
+    scores = scores.view(num_req, num_kv_heads, rep, num_q, num_k).masked_fill_(~mask[:, None, None], float("-inf"))
+    sink = sinks.float().view(1, num_kv_heads, rep, 1, 1).expand(num_req, -1, -1, num_q, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :num_k]
+    out = torch.matmul(probs.to(v.dtype).reshape(num_req, num_kv_heads, -1, num_k), v.transpose(1, 2))
+    out = out.view(num_req, num_kv_heads, rep, num_q, dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_req, num_q, num_heads, dim)

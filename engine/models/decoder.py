@@ -1,0 +1,142 @@
+"""The decoder skeleton every supported architecture shares, with ``transformers``' parameter names.
+
+    lm_head / model.embed_tokens / model.norm
+    model.layers.{i}.input_layernorm, .self_attn.{q,k,v,o}_proj[, .self_attn.sinks],
+                     .post_attention_layernorm, .mlp.*            (the MLP is per architecture)
+
+A subclass supplies the MLP and the bias / sink choices; the forward pass is here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import GroupAttention, build_group_attention, paged_attention
+from engine.forward import ForwardBatch
+from engine.layout import LayerSlot, head_dim, layer_slots, num_kv_heads
+from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What every layer of one forward pass shares."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attention: dict[str, GroupAttention]
+    kv_caches: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    has_sinks: bool = False
+
+
+class PagedSelfAttention(nn.Module):
+    def __init__(self, hf_config, slot: LayerSlot, options: AttentionOptions) -> None:
+        super().__init__()
+        self.slot = slot
+        self.head_dim = head_dim(hf_config)
+        self.scale = self.head_dim**-0.5
+        hidden, heads, kv_heads = hf_config.hidden_size, hf_config.num_attention_heads, num_kv_heads(hf_config)
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=options.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=options.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=options.qkv_bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=options.o_bias)
+        self.sinks = nn.Parameter(torch.zeros(heads)) if options.has_sinks else None
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = apply_rope(self.q_proj(hidden).view(num_tokens, -1, self.head_dim), ctx.cos, ctx.sin)
+        k = apply_rope(self.k_proj(hidden).view(num_tokens, -1, self.head_dim), ctx.cos, ctx.sin)
+        v = self.v_proj(hidden).view(num_tokens, -1, self.head_dim)
+        group, index, _ = self.slot
+        out = paged_attention(q, k, v, ctx.kv_caches[group], index, ctx.attention[group], self.scale, self.sinks)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, norm_in_float32: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps, norm_in_float32)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, norm_in_float32)
+        self.mlp = mlp
+
+    def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, hf_config, layers: list[DecoderLayer], norm_in_float32: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, norm_in_float32)
+        self.rotary_emb = RotaryEmbedding(hf_config, head_dim(hf_config))
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of every model: ``forward(ForwardBatch) -> float32 logits [len(logits_indices) or N, vocab]``."""
+
+    # Submodule names whose parameters stay float32 whatever the model dtype (as transformers keeps them).
+    keep_in_float32: tuple[str, ...] = ()
+    norm_in_float32 = False
+
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.slots = layer_slots(hf_config)
+        self.group_windows = {slot.group: slot.window for slot in self.slots}
+        layers = [self._make_layer(hf_config, slot) for slot in self.slots]
+        self.model = DecoderModel(hf_config, layers, self.norm_in_float32)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        # A tied checkpoint may still carry lm_head.weight: it is the embedding, drop it.
+        self.register_load_state_dict_pre_hook(self._drop_tied_head)
+
+    def _make_layer(self, hf_config, slot: LayerSlot) -> DecoderLayer:
+        attn = PagedSelfAttention(hf_config, slot, self.attention_options(hf_config))
+        return DecoderLayer(attn, self.make_mlp(hf_config), hf_config.hidden_size, hf_config.rms_norm_eps,
+                            self.norm_in_float32)
+
+    def attention_options(self, hf_config) -> AttentionOptions:
+        raise NotImplementedError
+
+    def make_mlp(self, hf_config) -> nn.Module:
+        raise NotImplementedError
+
+    def _drop_tied_head(self, module, state_dict, prefix, *args) -> None:
+        if self.tie_word_embeddings:
+            state_dict.pop(prefix + "lm_head.weight", None)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        ctx = self._context(batch)
+        hidden = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, ctx)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        hidden = self.model.norm(hidden)
+        head = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+    def _context(self, batch: ForwardBatch) -> ForwardContext:
+        device = batch.input_ids.device
+        groups = set(self.group_windows)
+        missing = sorted((groups - set(batch.block_tables)) | (groups - set(batch.kv_caches)))
+        if missing:
+            raise ValueError(f"ForwardBatch lacks block tables or KV pages for layer groups {missing}")
+        attention = {
+            group: build_group_attention(batch, group, window, device) for group, window in self.group_windows.items()
+        }
+        cos, sin = self.model.rotary_emb(batch.positions, self.model.embed_tokens.weight.dtype)
+        return ForwardContext(cos, sin, attention, batch.kv_caches)

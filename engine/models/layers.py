@@ -1,0 +1,81 @@
+"""Small building blocks shared by the decoder models: RMSNorm and rotary embeddings."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# RoPE types whose inverse frequencies do not depend on the sequence length.
+_STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32.
+
+    ``scale_in_float32`` picks where the cast back happens, as in ``transformers``:
+    Llama-style ``weight * x.to(dtype)`` (False) or GPT-OSS-style ``(weight * x).to(dtype)`` (True).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, scale_in_float32: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.scale_in_float32 = scale_in_float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight * x).to(dtype)
+        return self.weight * x.to(dtype)
+
+
+def rope_parameters(hf_config) -> dict:
+    """``rope_parameters`` (transformers >= 5) or the older ``rope_theta`` + ``rope_scaling`` pair."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout) with the RoPE scaling types ``transformers`` computes.
+
+    Non-default types (yarn, llama3, linear) take their inverse frequencies and
+    attention scaling from ``transformers.modeling_rope_utils``.
+    """
+
+    def __init__(self, hf_config, head_dim: int) -> None:
+        super().__init__()
+        params = rope_parameters(hf_config)
+        rope_type = params["rope_type"]
+        if rope_type not in _STATIC_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {list(_STATIC_ROPE_TYPES)}")
+        if rope_type == "default":
+            inv_freq, scaling = _default_inv_freq(params["rope_theta"], head_dim), 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+        self.inv_freq = nn.Buffer(inv_freq.float(), persistent=False)
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [N, head_dim // 2] for the given positions [N]."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, head_dim]; cos/sin [N, head_dim // 2] (first half / second half pairing)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

@@ -1,0 +1,61 @@
+"""Llama, Mistral and Qwen2: one dense decoder, differing only in biases and windows.
+
+| architecture | q/k/v bias       | o bias           | MLP bias     | window (see engine.layout)         |
+| ------------ | ---------------- | ---------------- | ------------ | ---------------------------------- |
+| Llama        | attention_bias   | attention_bias   | mlp_bias     | none                               |
+| Mistral      | no               | no               | no           | sliding_window on every layer      |
+| Qwen2        | yes              | no               | no           | layer_types (use_sliding_window,   |
+|              |                  |                  |              | max_window_layers)                 |
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.decoder import AttentionOptions, DecoderForCausalLM
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: ['silu']")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    def attention_options(self, hf_config) -> AttentionOptions:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    def mlp_bias(self, hf_config) -> bool:
+        return bool(getattr(hf_config, "mlp_bias", False))
+
+    def make_mlp(self, hf_config) -> nn.Module:
+        return GatedMLP(hf_config.hidden_size, hf_config.intermediate_size, self.mlp_bias(hf_config),
+                        getattr(hf_config, "hidden_act", "silu"))
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    def attention_options(self, hf_config) -> AttentionOptions:
+        return AttentionOptions()
+
+    def mlp_bias(self, hf_config) -> bool:
+        return False
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def attention_options(self, hf_config) -> AttentionOptions:
+        return AttentionOptions(qkv_bias=True)
+
+    def mlp_bias(self, hf_config) -> bool:
+        return False
