@@ -1,0 +1,107 @@
+"""Drives an LLMEngine inside an async actor: steps in a thread, updates to per-request queues.
+
+All engine calls go through ``call`` (under one asyncio lock), and the step
+runs under the same lock in a worker thread, so the engine is never touched
+by two threads at once while the actor's event loop stays free for calls.
+If a step raises, every request in flight gets an ``error`` update and is
+aborted (its pages freed); the loop keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Callable
+
+from engine import LLMEngine, RequestUpdate, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def call(self, fn: Callable, *args, **kwargs):
+        """Run a quick engine call between steps."""
+        async with self._lock:
+            return fn(*args, **kwargs)
+
+    def watch(self, request_id: str) -> asyncio.Queue[RequestUpdate]:
+        queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def unwatch(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def deliver(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            queue = self._queues.get(update.request_id)
+            if queue is not None:
+                queue.put_nowait(update)
+        self._wakeup.set()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False) -> AsyncIterator[RequestUpdate]:
+        """Add a request and yield its updates until it finishes; abort it if the consumer goes away."""
+        queue = self.watch(request_id)
+        try:
+            await self.call(self.engine.add_request, request_id, prompt_token_ids, params, prefill_only=prefill_only)
+        except Exception:
+            self.unwatch(request_id)
+            raise
+        self._wakeup.set()
+        async for update in self.stream(request_id, queue):
+            yield update
+
+    async def stream(self, request_id: str, queue: asyncio.Queue[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
+        """Yield updates until the last; a consumer leaving early aborts the request."""
+        finished = False
+        try:
+            while not finished:
+                update = await queue.get()
+                finished = update.is_finished
+                yield update
+        finally:
+            self.unwatch(request_id)
+            if not finished:
+                await self.call(self.engine.abort, request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort wherever the request is; a watcher gets a final ``abort`` update."""
+        existed = await self.call(self.engine.abort, request_id)
+        if request_id in self._queues:
+            self.deliver([RequestUpdate(request_id, [], "", 0, 0, finish_reason="abort")])
+        return existed
+
+    async def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            async with self._lock:
+                try:
+                    updates = await asyncio.to_thread(self.engine.step)
+                except Exception as exc:  # a failed step must not strand requests
+                    log.exception("engine step failed")
+                    updates = self._fail_all(exc)
+            self.deliver(updates)
+            await asyncio.sleep(0)
+
+    def _fail_all(self, exc: Exception) -> list[RequestUpdate]:
+        updates = []
+        for request in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+            self.engine.abort(request.request_id)
+            updates.append(RequestUpdate(request.request_id, [], "", request.num_prompt_tokens,
+                                         request.num_output_tokens, finish_reason="error",
+                                         error=f"engine step failed: {type(exc).__name__}: {exc}"))
+        return updates

@@ -1,0 +1,207 @@
+"""Token sampling and speculative verification, from logits to token ids.
+
+Two distributions matter per row of logits:
+
+- the *raw* distribution, ``log_softmax(logits)``: what logprobs report
+  (as vLLM does), whatever the sampling parameters;
+- the *sampling* distribution ``p`` (see ``sampling_probs``): temperature,
+  then top-k, then top-p; one-hot at the argmax for greedy rows. Sampling and
+  verification draw from ``p``.
+
+Randomness comes only from the per-request ``torch.Generator`` passed in, so
+a seeded request's tokens do not depend on what it is batched with.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.params import SamplingParams
+
+
+class SampleResult(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class VerifyResult(NamedTuple):
+    """Accepted drafts followed by one more token (correction or bonus)."""
+
+    token_ids: list[int]
+    num_accepted: int
+    logprobs: list[TokenLogprob | None]
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: ``[n, V]`` float32, rows sum to 1.
+
+    Order: divide by temperature, keep the ``top_k`` largest, then keep the
+    smallest prefix (by descending probability) whose mass reaches ``top_p``;
+    the top token is always kept. Ties rank the lower token id first. Greedy
+    rows are one-hot at the argmax (ties -> lowest id). Does not modify
+    ``logits``.
+    """
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits but {len(params)} params")
+    device = logits.device
+    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+    scaled = logits.float() / temps[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        probs = _filtered_probs(scaled, params)
+    else:
+        probs = scaled.softmax(dim=-1)
+    greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+    if greedy_rows:
+        rows = torch.tensor(greedy_rows, device=device)
+        probs[rows] = 0.0
+        probs[rows, logits[rows].argmax(dim=-1)] = 1.0
+    return probs
+
+
+def _filtered_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Softmax of ``scaled`` after each row's top-k then top-p cut (sorted once)."""
+    vocab_size, device = scaled.shape[-1], scaled.device
+    top_ks = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=device)
+    top_ps = torch.tensor([p.top_p for p in params], device=device)
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab_size, device=device)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_ks[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (never
+    # the top token: nothing ranks above it and top_p > 0). The top_p < 1
+    # guard keeps cumsum rounding from cutting the tail of unfiltered rows.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1.0)
+    sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    return torch.zeros_like(scaled).scatter_(-1, sorted_ids, sorted_probs)
+
+
+def rejection_sample(
+    probs: torch.Tensor, draft_token_ids: Sequence[int], generator: torch.Generator | None
+) -> list[int]:
+    """Speculative rejection sampling for a deterministic drafter.
+
+    ``probs`` is ``[k+1, V]``, the target distribution ``p_i`` per row. With
+    the draft distribution one-hot at ``d_i``, accept ``d_i`` with
+    probability ``p_i(d_i)``; on the first rejection emit a draw from ``p_i``
+    with ``d_i`` removed and renormalised; if all are accepted emit a bonus
+    draw from ``p_k``. Each emitted token is then distributed exactly as
+    ``p`` says. Returns the accepted drafts plus that one token.
+    """
+    num_drafts, device = len(draft_token_ids), probs.device
+    uniforms = torch.rand(num_drafts, generator=generator, device=device).tolist()
+    drafts = torch.tensor(list(draft_token_ids), dtype=torch.long, device=device)
+    draft_probs = probs[torch.arange(num_drafts, device=device), drafts].tolist()
+    for i, draft in enumerate(draft_token_ids):
+        if uniforms[i] < draft_probs[i]:
+            continue
+        residual = probs[i].index_fill(0, drafts[i : i + 1], 0.0)
+        if float(residual.sum()) > 0.0:  # else p_i(d_i) == 1 up to rounding: accept
+            return list(draft_token_ids[:i]) + [_draw(residual, generator)]
+    return list(draft_token_ids) + [_draw(probs[-1], generator)]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, num_samples=1, generator=generator))
+
+
+def _token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_tops: Sequence[int | None]
+) -> list[TokenLogprob | None]:
+    """Raw-distribution logprob of ``token_ids[i]`` under row ``i`` plus its top alternatives."""
+    rows = [i for i, num_top in enumerate(num_tops) if num_top is not None]
+    results: list[TokenLogprob | None] = [None] * len(token_ids)
+    if not rows:
+        return results
+    device = logits.device
+    logprobs = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)
+    chosen_ids = torch.tensor([token_ids[i] for i in rows], device=device)
+    chosen = logprobs.gather(-1, chosen_ids[:, None]).squeeze(-1).tolist()
+    max_top = min(max(num_tops[i] for i in rows), logprobs.shape[-1])
+    top_vals, top_ids = (t.tolist() for t in logprobs.topk(max_top, dim=-1))
+    for j, i in enumerate(rows):
+        top = tuple(zip(top_ids[j], top_vals[j]))[: num_tops[i]]
+        results[i] = TokenLogprob(token_ids[i], chosen[j], top)
+    return results
+
+
+class Sampler:
+    """Turns logits into tokens: batched sampling and speculative verification.
+
+    Stateless: all randomness comes from the generators passed to each call.
+    """
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> SampleResult:
+        """Pick one token per row of ``logits`` ``[n, V]``.
+
+        Row ``i`` uses ``params[i]`` and draws only from ``generators[i]``
+        (``None``: torch's global generator), so a seeded request gets the
+        same tokens alone or in any batch. Greedy rows draw nothing.
+        Logprobs (where ``params[i].logprobs`` is set) are of the raw logits.
+        """
+        if not len(params) == len(generators) == logits.shape[0]:
+            raise ValueError(
+                f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators"
+            )
+        probs = sampling_probs(logits, params)
+        greedy_ids = probs.argmax(dim=-1).tolist()
+        token_ids = [
+            greedy_ids[i] if p.is_greedy else _draw(probs[i], generators[i])
+            for i, p in enumerate(params)
+        ]
+        logprobs = _token_logprobs(logits, token_ids, [p.logprobs for p in params])
+        return SampleResult(token_ids, logprobs)
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        draft_token_ids: Sequence[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> VerifyResult:
+        """Check ``k`` drafts of one request against the target model's ``[k+1, V]`` logits.
+
+        Row ``i`` is the model's distribution for the token after draft
+        ``i-1`` (row 0: after the last committed token)::
+
+            row:    0      1      ...   k-1        k
+            scores: d_0    d_1    ...   d_{k-1}    (bonus)
+
+        Greedy: accept ``d_i`` while it is the argmax of row ``i``, then emit
+        the argmax of the first mismatching row (row ``k`` if all match), so
+        the output equals sequential greedy decoding.
+
+        Sampling: ``rejection_sample`` on ``sampling_probs`` of every row,
+        so every emitted token is distributed as without speculation.
+        """
+        num_drafts = len(draft_token_ids)
+        if logits.shape[0] != num_drafts + 1:
+            raise ValueError(
+                f"{num_drafts} drafts need {num_drafts + 1} rows of logits, got {logits.shape[0]}"
+            )
+        if params.is_greedy:
+            token_ids = self._verify_greedy(logits, draft_token_ids)
+        else:
+            probs = sampling_probs(logits, [params] * (num_drafts + 1))
+            token_ids = rejection_sample(probs, draft_token_ids, generator)
+        num_tops = [params.logprobs] * len(token_ids)
+        logprobs = _token_logprobs(logits[: len(token_ids)], token_ids, num_tops)
+        return VerifyResult(token_ids, len(token_ids) - 1, logprobs)
+
+    @staticmethod
+    def _verify_greedy(logits: torch.Tensor, draft_token_ids: Sequence[int]) -> list[int]:
+        targets = logits.argmax(dim=-1).tolist()
+        num_accepted = 0
+        for draft, target in zip(draft_token_ids, targets):
+            if draft != target:
+                break
+            num_accepted += 1
+        return targets[: num_accepted + 1]

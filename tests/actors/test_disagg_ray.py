@@ -1,0 +1,146 @@
+"""Disaggregated serving across real Ray actors over real NIXL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+import torch
+
+from actors.leases import LeaseDenied
+from engine import SamplingParams
+from tests.actors.disagg_helpers import (
+    RemoteContext, RemoteGeneration, disagg_request, random_prompts, worker_config,
+)
+from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+async def free_pages(*workers) -> list[tuple[int, int]]:
+    out = []
+    for worker in workers:
+        await worker.check_integrity.remote()
+        stats = await worker.stats.remote()
+        out.append((stats["num_free_pages"], stats["num_total_pages"]))
+    return out
+
+
+def assert_all_free(pages):
+    assert all(free == total for free, total in pages), pages
+
+
+def test_disaggregated_equals_aggregated(ray_session, tiny_model):
+    prompts = random_prompts(50, seed=3)
+    expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, GREEDY)
+    contexts = [RemoteContext.remote(worker_config(num_extra_kv_tokens=e)) for e in (0, 2)]
+    generations = [RemoteGeneration.remote(worker_config(max_draft_len=d, num_extra_kv_tokens=e))
+                   for d, e in [(0, 2), (1, 0), (2, 2), (3, 0), (4, 2)]]
+
+    async def main():
+        jobs = [disagg_request(contexts[i % 2], generations[i % 5], f"q{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*jobs)
+        return results, await free_pages(*contexts, *generations)
+
+    results, pages = asyncio.run(main())
+    for i, tokens in enumerate(results):
+        assert tokens == expected[f"r{i}"], f"request {i} (prompt {len(prompts[i])} tokens) differs"
+    assert_all_free(pages)
+
+
+def test_pages_land_at_their_ordinals_and_nowhere_else(ray_session):
+    ctx = RemoteContext.remote(worker_config())
+    gen = RemoteGeneration.remote(worker_config(max_draft_len=3, num_extra_kv_tokens=2))
+
+    async def main():
+        prompt = list(range(30, 30 + 70))  # window 32, blocks of 8: stale blocks, a partial last block
+        handle = await ctx.prefill.remote("p", prompt, GREEDY)
+        src = {g: await ctx.read_pages.remote(g, [max(p, 0) for p in table]) for g, table in handle.block_ordinals.items()}
+        record = await gen.receive_kv.remote(handle)
+        dst_tables = await gen.block_ordinals.remote("p")
+        checks = []
+        for group, table in dst_tables.items():
+            got = await gen.read_pages.remote(group, [max(p, 0) for p in table])
+            checks.append((group, handle.block_ordinals[group], table, src[group], got))
+        await gen.abort.remote("p")
+        return record, checks, await free_pages(ctx, gen)
+
+    record, checks, pages = asyncio.run(main())
+    B, P, window = 8, 70, {"sliding": 32, "full": None}
+    expected_bytes = 0
+    for group, src_table, dst_table, src, got in checks:
+        first = 0 if window[group] is None else (P + 1 - window[group]) // B
+        last = -(-P // B)
+        for ordinal, dst_page in enumerate(dst_table):
+            if dst_page < 0:
+                assert ordinal < first
+                continue
+            if first <= ordinal < last:
+                assert torch.equal(got[ordinal], src[ordinal]), f"{group} ordinal {ordinal} holds other KV"
+                assert got[ordinal].abs().sum() > 0
+                expected_bytes += got[ordinal].numel() * got[ordinal].element_size()
+            else:
+                assert got[ordinal].abs().sum() == 0, f"{group} ordinal {ordinal} outside the slice was written"
+    assert record.num_bytes == expected_bytes
+    assert record.num_descriptors < record.num_pages  # adjacent pages coalesced
+    assert_all_free(pages)
+
+
+def test_expired_lease_fails_a_late_transfer_and_never_reads_reused_pages(ray_session):
+    ctx = RemoteContext.remote(worker_config(lease_s=0.5))
+    gen = RemoteGeneration.remote(worker_config())
+
+    async def main():
+        handle = await ctx.prefill.remote("old", list(range(40)), GREEDY)
+        await asyncio.sleep(1.5)  # the lease lapses, the reaper frees the pages
+        reuser = await ctx.prefill.remote("new", list(range(100, 140)), GREEDY)
+        reused = set(handle.block_ordinals["full"]) & set(reuser.block_ordinals["full"])
+        with pytest.raises(Exception, match="expired|no longer holds"):
+            await disagg_request_from(handle, gen, list(range(40)))
+        await ctx.abort.remote("new")
+        return reused, await free_pages(ctx, gen)
+
+    reused, pages = asyncio.run(main())
+    assert reused, "the test needs the freed pages to be reused"
+    assert_all_free(pages)
+
+
+async def disagg_request_from(handle, gen, prompt):
+    async for ref in gen.generate.remote(handle, prompt, GREEDY):
+        await ref
+
+
+def test_abort_at_each_stage_frees_both_sides(ray_session):
+    ctx = RemoteContext.remote(worker_config(max_num_batched_tokens=16))
+    gen = RemoteGeneration.remote(worker_config())
+
+    async def main():
+        # during prefill (chunked over several steps)
+        task = asyncio.ensure_future(ctx.prefill.remote("a", list(range(200)), GREEDY))
+        await asyncio.sleep(0.05)
+        await ctx.abort.remote("a")
+        with pytest.raises(Exception):
+            await task
+        # after prefill, before transfer
+        await ctx.prefill.remote("b", list(range(50)), GREEDY)
+        assert await ctx.abort.remote("b")
+        # after transfer, during decode
+        handle = await ctx.prefill.remote("c", list(range(50)), GREEDY)
+        stream = gen.generate.remote(handle, list(range(50)), SamplingParams(max_tokens=400, ignore_eos=True))
+        async for ref in stream:
+            await ref
+            break
+        await gen.abort.remote("c")
+        await asyncio.sleep(0.2)
+        return await free_pages(ctx, gen)
+
+    assert_all_free(asyncio.run(main()))
