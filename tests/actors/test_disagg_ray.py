@@ -144,3 +144,33 @@ def test_abort_at_each_stage_frees_both_sides(ray_session):
         return await free_pages(ctx, gen)
 
     assert_all_free(asyncio.run(main()))
+
+
+def test_generation_side_extends_the_lease_while_waiting_for_pages(ray_session):
+    """The generation cache is full; the context lease (1 s) would lapse, but the
+    waiting generation side extends it, and the request completes once pages free."""
+    ctx = RemoteContext.remote(worker_config(lease_s=1.0))
+    gen = RemoteGeneration.remote(worker_config(num_pages=12))
+
+    async def main():
+        hog = await ctx.prefill.remote("hog", list(range(60)), GREEDY)
+        await gen.receive_kv.remote(hog)  # holds its pages, not decoding, until aborted
+        waiting = await ctx.prefill.remote("late", list(range(50)), GREEDY)
+        job = asyncio.ensure_future(disagg_request_tokens(gen, waiting, list(range(50))))
+        await asyncio.sleep(2.5)  # longer than the lease: only extensions keep it alive
+        assert not job.done()
+        await gen.abort.remote("hog")
+        tokens = await asyncio.wait_for(job, 30)
+        await asyncio.sleep(0.2)
+        return tokens, await free_pages(ctx, gen)
+
+    tokens, pages = asyncio.run(main())
+    assert len(tokens) == GREEDY.max_tokens
+    assert_all_free(pages)
+
+
+async def disagg_request_tokens(gen, handle, prompt):
+    tokens = []
+    async for ref in gen.generate.remote(handle, prompt, GREEDY):
+        tokens += (await ref).new_token_ids
+    return tokens

@@ -1,0 +1,49 @@
+"""Context on one Ray node, generation on another (two nodes on this machine)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from actors.context_worker import ContextWorker
+from actors.generation_worker import GenerationWorker
+from engine import SamplingParams
+from tests.actors.disagg_helpers import disagg_request, random_prompts, worker_config
+from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"context_node": 1}})
+    cluster.add_node(num_cpus=1, resources={"generation_node": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def node_of(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+
+
+def test_context_and_generation_on_different_nodes(two_nodes, tiny_model):
+    ctx = ray.remote(ContextWorker).options(num_cpus=0, resources={"context_node": 0.5}).remote(worker_config())
+    gen = ray.remote(GenerationWorker).options(num_cpus=0, resources={"generation_node": 0.5}).remote(worker_config(max_draft_len=2))
+    assert node_of(ctx) != node_of(gen)
+    prompts = random_prompts(12, seed=11)
+    expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, GREEDY)
+
+    async def main():
+        return await asyncio.gather(*[disagg_request(ctx, gen, f"n{i}", p, GREEDY) for i, p in enumerate(prompts)])
+
+    results = asyncio.run(main())
+    for i, tokens in enumerate(results):
+        assert tokens == expected[f"r{i}"], f"request {i} differs across nodes"
+    for worker in (ctx, gen):
+        stats = ray.get(worker.stats.remote())
+        assert stats["num_free_pages"] == stats["num_total_pages"]
