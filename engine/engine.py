@@ -118,8 +118,8 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} already exists")
         self.check_prompt(len(prompt_token_ids))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        generator = None if params.is_greedy else torch.Generator(device="cpu").manual_seed(seed)
-        request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), generator, prefill_only)
+        generator = None if params.is_greedy else torch.Generator(device="cpu")
+        request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), generator, prefill_only, seed)
         decoder = IncrementalDecoder(self.tokenizer, prompt_ids=prompt_token_ids)
         self._requests[request_id] = request
         self._stoppers[request_id] = StopChecker(request, decoder, self.tokenizer.eos_token_ids, self.max_model_len)
@@ -155,6 +155,10 @@ class LLMEngine:
 
     def _sample(self, item: ScheduledRequest, rows: torch.Tensor) -> RequestUpdate:
         request = item.request
+        if request.generator is not None:
+            # Draws depend on (seed, output index) only: the same seeded request gives the
+            # same tokens whichever worker samples which token, and after a preemption.
+            request.generator.manual_seed(hash((request.seed, request.num_output_tokens)) & (2**63 - 1))
         if item.draft_token_ids:
             result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator)
             request.num_drafts_proposed += len(item.draft_token_ids)

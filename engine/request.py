@@ -35,6 +35,7 @@ class Request:
     arrival: int
     generator: torch.Generator | None = None
     prefill_only: bool = False
+    seed: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_computed_tokens: int = 0

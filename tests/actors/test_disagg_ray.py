@@ -57,6 +57,22 @@ def test_disaggregated_equals_aggregated(ray_session, tiny_model):
     assert_all_free(pages)
 
 
+def test_seeded_sampling_disaggregated_equals_aggregated(ray_session, tiny_model):
+    """Draws depend on (seed, output index) only, so the context worker sampling the
+    first token and the generation worker the rest gives the aggregated tokens."""
+    prompts = random_prompts(6, seed=5)
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True) for i in range(6)]
+    expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, params)
+    ctx = RemoteContext.remote(worker_config())
+    gen = RemoteGeneration.remote(worker_config())
+
+    async def main():
+        return await asyncio.gather(*[disagg_request(ctx, gen, f"s{i}", p, params[i]) for i, p in enumerate(prompts)])
+
+    for i, tokens in enumerate(asyncio.run(main())):
+        assert tokens == expected[f"r{i}"]
+
+
 def test_pages_land_at_their_ordinals_and_nowhere_else(ray_session):
     ctx = RemoteContext.remote(worker_config())
     gen = RemoteGeneration.remote(worker_config(max_draft_len=3, num_extra_kv_tokens=2))
