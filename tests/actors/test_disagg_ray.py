@@ -141,9 +141,10 @@ def test_abort_at_each_stage_frees_both_sides(ray_session):
 
     async def main():
         # during prefill (chunked over several steps)
-        task = asyncio.ensure_future(ctx.prefill.remote("a", list(range(200)), GREEDY))
-        await asyncio.sleep(0.05)
-        await ctx.abort.remote("a")
+        task = asyncio.ensure_future(ctx.prefill.remote("a", [i % 256 for i in range(400)], GREEDY))
+        while (await ctx.stats.remote())["num_running"] == 0:
+            await asyncio.sleep(0.01)
+        assert await ctx.abort.remote("a")
         with pytest.raises(Exception):
             await task
         # after prefill, before transfer
