@@ -21,8 +21,8 @@ RemoteAggregated = ray.remote(num_cpus=0)(AggregatedWorker)
 def worker_config(transport: str = "nixl", **engine) -> WorkerConfig:
     engine.setdefault("tokens_per_block", 8)
     engine.setdefault("device", "cpu")
-    lease_s = engine.pop("lease_s", 30.0)
-    return WorkerConfig(engine=EngineConfig(**engine), transport=transport, lease_s=lease_s)
+    worker = {key: engine.pop(key) for key in ("lease_s", "transfer_timeout_s", "reserve_timeout_s") if key in engine}
+    return WorkerConfig(engine=EngineConfig(**engine), transport=transport, **worker)
 
 
 def random_prompts(n: int, seed: int) -> list[list[int]]:
@@ -39,8 +39,10 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-async def disagg_request(ctx, gen, request_id: str, prompt: list[int], params: SamplingParams) -> list[int]:
-    handle = await ctx.prefill.remote(request_id, prompt, params)
+async def disagg_request(ctx, gen, request_id: str, prompt: list[int], params: SamplingParams, handle=None) -> list[int]:
+    """Prefill on ``ctx`` (unless a handle is given), decode on ``gen``; the generated tokens."""
+    if handle is None:
+        handle = await ctx.prefill.remote(request_id, prompt, params)
     tokens = []
     async for ref in gen.generate.remote(handle, prompt, params):
         update = await ref
