@@ -14,41 +14,25 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import torch
-
-from actors.compat import compat_descriptor
 from actors.config import WorkerConfig
-from actors.control import ControlChannel
-from actors.engine_loop import EngineLoop
 from actors.leases import LeaseTable
 from actors.messages import KVHandle
-from actors.peers import PeerDirectory
-from actors.transport import make_transport, unique_agent_name
-from engine import LLMEngine, SamplingParams
+from actors.worker_base import KVWorker
+from engine import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class ContextWorker:
+class ContextWorker(KVWorker):
+    role = "context"
+
     def __init__(self, config: WorkerConfig | None = None) -> None:
-        self.config = config or WorkerConfig()
-        torch.set_num_threads(self.config.torch_threads)
-        self.engine = LLMEngine(self.config.engine, role="context")
-        self.loop = EngineLoop(self.engine)
-        self.transport = make_transport(self.config.transport, unique_agent_name("context"))
-        self.transport.register(self.engine.manager.storage.tensors)
-        self.peers = PeerDirectory(self.transport, compat_descriptor(self.engine))
-        self.peers.publish()
+        super().__init__(config)
         self.leases = LeaseTable(self.config.lease_s, self.config.claim_s)
-        self.control = ControlChannel(self.transport, self.peers)
         self.control.on("claim", self._on_claim)
         self.control.on("extend", self._on_extend)
         self.control.on("release", self._on_release)
         self._reaper: asyncio.Task | None = None
-
-    @property
-    def agent_name(self) -> str:
-        return self.transport.agent_name
 
     def _start(self) -> None:
         self.loop.start()
@@ -76,7 +60,7 @@ class ContextWorker:
     async def abort(self, request_id: str) -> bool:
         """Stop a prefill or drop a lease; its pages are freed either way."""
         self.leases.end(request_id, "aborted")
-        return await self.loop.abort(request_id)
+        return await super().abort(request_id)
 
     async def _on_claim(self, peer: str, args: list[str]) -> str:
         self.leases.claim(args[0])
@@ -108,12 +92,4 @@ class ContextWorker:
 
     async def stats(self) -> dict:
         self._start()
-        stats = await self.loop.call(self.engine.stats)
-        return {"role": "context", "agent": self.agent_name, "num_leases": len(self.leases), **stats}
-
-    async def check_integrity(self) -> None:
-        await self.loop.call(self.engine.manager.check_integrity)
-
-    async def read_pages(self, group: str, pages: list[int]) -> torch.Tensor:
-        """A copy of some pages (tests compare them with what a transfer landed)."""
-        return await self.loop.call(lambda: self.engine.manager.storage.tensors[group][pages].clone())
+        return {**await super().stats(), "num_leases": len(self.leases)}

@@ -16,16 +16,11 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-import torch
-
-from actors.compat import compat_descriptor
 from actors.config import WorkerConfig
-from actors.control import ControlChannel
-from actors.engine_loop import EngineLoop
 from actors.messages import KVHandle, TransferRecord
-from actors.peers import PeerDirectory
-from actors.transport import PageRun, coalesce, make_transport, unique_agent_name
-from engine import LLMEngine, RequestUpdate, SamplingParams
+from actors.transport import PageRun, coalesce
+from actors.worker_base import KVWorker
+from engine import RequestUpdate, SamplingParams
 from kvcache import plan_slice
 
 
@@ -33,22 +28,15 @@ class TransferFailed(RuntimeError):
     """The prompt's KV could not be brought over; the request fails, nothing leaks."""
 
 
-class GenerationWorker:
-    def __init__(self, config: WorkerConfig | None = None) -> None:
-        self.config = config or WorkerConfig()
-        torch.set_num_threads(self.config.torch_threads)
-        self.engine = LLMEngine(self.config.engine, role="generation")
-        self.loop = EngineLoop(self.engine)
-        self.transport = make_transport(self.config.transport, unique_agent_name("generation"))
-        self.transport.register(self.engine.manager.storage.tensors)
-        self.peers = PeerDirectory(self.transport, compat_descriptor(self.engine))
-        self.peers.publish()
-        self.control = ControlChannel(self.transport, self.peers)
-        self.transfers: list[TransferRecord] = []
+class GenerationWorker(KVWorker):
+    role = "generation"
 
-    @property
-    def agent_name(self) -> str:
-        return self.transport.agent_name
+    def __init__(self, config: WorkerConfig | None = None) -> None:
+        super().__init__(config)
+        self.transfers: list[TransferRecord] = []
+        self.num_transfers = 0
+        self.total_kv_bytes = 0
+        self.total_kv_seconds = 0.0
 
     async def generate(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestUpdate]:
         """Bring the prompt's KV over, then stream the request's updates."""
@@ -134,29 +122,21 @@ class GenerationWorker:
         record = TransferRecord(handle.request_id, num_pages, len(runs), moved, time.perf_counter() - start)
         self.transfers.append(record)
         del self.transfers[:-1000]
+        self.num_transfers += 1
+        self.total_kv_bytes += record.num_bytes
+        self.total_kv_seconds += record.seconds
         return record
 
     def _read(self, peer: str, runs: list[PageRun]) -> int:
         self.peers.ensure_connected(peer)
         return self.transport.read(peer, runs, self.config.transfer_timeout_s) if runs else 0
 
-    async def abort(self, request_id: str) -> bool:
-        return await self.loop.abort(request_id)
-
     async def stats(self) -> dict:
-        stats = await self.loop.call(self.engine.stats)
-        recent = self.transfers[-100:]
-        return {"role": "generation", "agent": self.agent_name,
-                "kv_bytes": sum(t.num_bytes for t in recent), "kv_seconds": sum(t.seconds for t in recent), **stats}
+        return {**await super().stats(), "kv_transfers": self.num_transfers, "kv_bytes": self.total_kv_bytes,
+                "kv_seconds": self.total_kv_seconds}
 
     async def last_transfer(self) -> TransferRecord | None:
         return self.transfers[-1] if self.transfers else None
-
-    async def check_integrity(self) -> None:
-        await self.loop.call(self.engine.manager.check_integrity)
-
-    async def read_pages(self, group: str, pages: list[int]) -> torch.Tensor:
-        return await self.loop.call(lambda: self.engine.manager.storage.tensors[group][pages].clone())
 
     async def block_ordinals(self, request_id: str) -> dict[str, list[int]]:
         manager = self.engine.manager

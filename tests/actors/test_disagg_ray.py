@@ -164,9 +164,9 @@ def test_abort_at_each_stage_frees_both_sides(ray_session):
 
 
 def test_generation_side_extends_the_lease_while_waiting_for_pages(ray_session):
-    """The generation cache is full; the context lease (1 s) would lapse, but the
+    """The generation cache is full; the context lease (2 s) would lapse, but the
     waiting generation side extends it, and the request completes once pages free."""
-    ctx = RemoteContext.remote(worker_config(lease_s=1.0))
+    ctx = RemoteContext.remote(worker_config(lease_s=2.0))
     gen = RemoteGeneration.remote(worker_config(num_pages=12))
 
     async def main():
@@ -174,8 +174,8 @@ def test_generation_side_extends_the_lease_while_waiting_for_pages(ray_session):
         await gen.receive_kv.remote(hog)  # holds its pages, not decoding, until aborted
         waiting = await ctx.prefill.remote("late", list(range(50)), GREEDY)
         job = asyncio.ensure_future(disagg_request_tokens(gen, waiting, list(range(50))))
-        await asyncio.sleep(2.5)  # longer than the lease: only extensions keep it alive
-        assert not job.done()
+        await asyncio.sleep(5.0)  # longer than the lease: only extensions keep it alive
+        assert not job.done(), job.exception()
         await gen.abort.remote("hog")
         tokens = await asyncio.wait_for(job, 30)
         await asyncio.sleep(0.2)
