@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.api import build_api
-from tests.app.conftest import (
+from tests.app.fakes import (
     FAIL_TRIGGER,
     MAX_MODEL_LEN,
     MODEL,

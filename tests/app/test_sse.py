@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.api import build_api
-from tests.app.conftest import (
+from tests.app.fakes import (
     FAIL_TRIGGER,
     MAX_MODEL_LEN,
     MODEL,

@@ -1,0 +1,231 @@
+"""The Serve application: ``build_app(args)`` for ``import_path: app.serve_app:build_app``.
+
+    Ingress (FastAPI, app.api) ──► ContextWorker ──► GenerationWorker     mode: disagg
+                               └─► AggregatedWorker                       mode: aggregated
+    every worker replica ──(its stats, every REPORT_PERIOD_S)──► WorkerStats ◄── GET /metrics
+
+Each worker deployment is a thin wrapper: one replica = one Ray actor = one
+actors/ worker. Deployment names are the ones a Serve config's
+``deployments:`` list overrides (num_replicas, ray_actor_options,
+autoscaling_config, request_router_config, ...).
+
+A handle call reaches one replica, so /metrics cannot ask every replica
+itself: each replica pushes its page counts to ``WorkerStats`` (one replica),
+which forgets a replica that stopped reporting. The same numbers are the
+replica's routing stats (app.routing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray import serve
+from ray.exceptions import TaskCancelledError
+from ray.serve.handle import DeploymentHandle
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from actors.aggregated_worker import AggregatedWorker
+from actors.config import WorkerConfig
+from actors.context_worker import ContextWorker
+from actors.generation_worker import GenerationWorker
+from actors.messages import KVHandle
+from app.api import build_api
+from app.config import AppConfig
+from app.routing import ROUTER_PATH
+from app.serve_backend import ServeBackend
+from engine.outputs import RequestUpdate
+from engine.params import SamplingParams
+from engine.tiny import resolve_model_path
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+REPORT_PERIOD_S = 1.0
+STALE_AFTER_S = 5 * REPORT_PERIOD_S
+INGRESS_MAX_ONGOING_REQUESTS = 1024  # app.config's max_queue is the admission limit
+# Worker stats keys passed on to /metrics (app.metrics) and the router (app.routing).
+METRICS_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting", "num_cancelled",
+                "kv_transfer_bytes", "kv_transfer_seconds", "num_drafts_proposed", "num_drafts_accepted")
+RENAMED_KEYS = {"kv_bytes": "kv_transfer_bytes", "kv_seconds": "kv_transfer_seconds"}  # actors' -> app.metrics'
+ROUTING_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting")
+WORKER_OPTIONS = dict(
+    ray_actor_options={"num_cpus": 0},  # workers set their own torch threads
+    request_router_config={"request_router_class": ROUTER_PATH, "request_routing_stats_period_s": REPORT_PERIOD_S},
+)
+
+
+def metrics_entry(name: str, role: str, stats: dict) -> dict:
+    """A worker's ``stats()`` in app.metrics' schema."""
+    stats = {RENAMED_KEYS.get(key, key): value for key, value in stats.items()}
+    entry = {"name": name, "role": role, **{key: stats[key] for key in METRICS_KEYS if key in stats}}
+    if "num_free_pages" in entry and "num_total_pages" in entry:
+        entry["pages_in_use"] = entry["num_total_pages"] - entry["num_free_pages"]
+    return entry
+
+
+@serve.deployment(name="WorkerStats", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
+                  logging_config={"enable_access_log": False})  # a report per replica per second
+class WorkerStats:
+    """The latest stats of every worker replica, by replica name."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[float, dict]] = {}
+
+    async def report(self, entry: dict) -> None:
+        self._entries[entry["name"]] = (time.monotonic(), entry)
+
+    async def snapshot(self) -> list[dict]:
+        horizon = time.monotonic() - STALE_AFTER_S
+        self._entries = {name: e for name, e in self._entries.items() if e[0] >= horizon}
+        return [entry for _, (_, entry) in sorted(self._entries.items())]
+
+
+class WorkerReplica:
+    """What every worker deployment shares: abort, stats (pushed to WorkerStats), ping."""
+
+    def __init__(self, role: str, worker, board: DeploymentHandle) -> None:
+        context = serve.get_replica_context()
+        self.role = role
+        self.worker = worker
+        self.board = board
+        self.name = f"{context.deployment}#{context.replica_id.unique_id}"
+        self.num_cancelled = 0  # streams whose caller went away (client disconnects)
+        self.num_drafts_proposed = self.num_drafts_accepted = 0  # over the streams relayed here
+        self._latest: dict = {}
+        self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.worker.abort(request_id)
+
+    async def ping(self) -> str:
+        return self.name
+
+    async def stats(self) -> dict:
+        return {**await self.worker.stats(), "num_cancelled": self.num_cancelled,
+                "num_drafts_proposed": self.num_drafts_proposed, "num_drafts_accepted": self.num_drafts_accepted}
+
+    async def record_routing_stats(self) -> dict:
+        return {k: self._latest[k] for k in ROUTING_KEYS if k in self._latest}
+
+    async def _report_forever(self) -> None:
+        while True:
+            try:
+                self._latest = metrics_entry(self.name, self.role, await self.stats())
+                await self.board.report.remote(self._latest)
+            except Exception:
+                log.warning("stats report of %s failed", self.name, exc_info=True)
+            await asyncio.sleep(REPORT_PERIOD_S)
+
+    async def _relay(self, updates: AsyncIterator[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
+        """Yield a worker's updates; a cancelled caller closes the worker's stream (abort, pages freed)."""
+        proposed = accepted = 0  # cumulative per request in each update
+        async with contextlib.aclosing(updates):
+            try:
+                async for update in updates:
+                    proposed = max(proposed, update.num_drafts_proposed)
+                    accepted = max(accepted, update.num_drafts_accepted)
+                    yield update
+            except (asyncio.CancelledError, GeneratorExit):
+                self.num_cancelled += 1
+                raise
+            finally:
+                self.num_drafts_proposed += proposed
+                self.num_drafts_accepted += accepted
+
+    def __del__(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop may be closed already
+            self._reporter.cancel()
+
+
+@serve.deployment(name="ContextWorker", **WORKER_OPTIONS)
+class ContextDeployment(WorkerReplica):
+    def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        super().__init__("context", ContextWorker(config), board)
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:
+        return await self.worker.prefill(request_id, prompt_token_ids, params)
+
+
+@serve.deployment(name="GenerationWorker", **WORKER_OPTIONS)
+class GenerationDeployment(WorkerReplica):
+    def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        super().__init__("generation", GenerationWorker(config), board)
+
+    async def generate(
+        self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestUpdate]:
+        async for update in self._relay(self.worker.generate(handle, prompt_token_ids, params)):
+            yield update
+
+
+@serve.deployment(name="AggregatedWorker", **WORKER_OPTIONS)
+class AggregatedDeployment(WorkerReplica):
+    def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        super().__init__("aggregated", AggregatedWorker(config), board)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestUpdate]:
+        async for update in self._relay(self.worker.generate(request_id, prompt_token_ids, params)):
+            yield update
+
+
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0},
+                  max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
+@serve.ingress()
+class Ingress:
+    """The OpenAI HTTP API (app.api) over the worker deployments' handles."""
+
+    def __init__(self, config: AppConfig, board: DeploymentHandle, **workers: DeploymentHandle) -> None:
+        model_path = resolve_model_path(config.model)
+        self.config = config
+        self.tokenizer = Tokenizer(model_path)
+        max_model_len = config.serving_max_model_len(model_path)
+        self.backend = ServeBackend(model_name=config.model, max_model_len=max_model_len, board=board, **workers)
+
+    def __serve_build_asgi_app__(self):
+        config = self.config
+        api = build_api(self.backend, self.tokenizer, api_key=config.api_key, max_queue=config.max_queue)
+        api.add_middleware(ServeDisconnectMiddleware)
+        return api
+
+
+class ServeDisconnectMiddleware:
+    """Turns Serve's way of saying "the client left" into ASGI's.
+
+    Once the proxy cancels a request (its client disconnected), ``receive()``
+    raises TaskCancelledError in the replica; app.api waits for an
+    ``http.disconnect`` message to stop and abort the request.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def receive_or_disconnect() -> Message:
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    """The application of one ``AppConfig`` (``args``: its fields; ValueError if invalid)."""
+    config = AppConfig.model_validate(args or {})
+    worker_config = config.to_worker_config()
+    max_ongoing = max(8, 2 * config.max_num_seqs)
+    board = WorkerStats.bind()
+
+    def worker(deployment):
+        return deployment.options(max_ongoing_requests=max_ongoing).bind(worker_config, board)
+
+    if config.mode == "disagg":
+        workers = {"context": worker(ContextDeployment), "generation": worker(GenerationDeployment)}
+    else:
+        workers = {"aggregated": worker(AggregatedDeployment)}
+    return Ingress.bind(config, board, **workers)

@@ -1,0 +1,271 @@
+"""The Serve application end to end: real Ray, real Serve, real workers, HTTP on 127.0.0.1.
+
+Two applications run side by side for the whole module:
+
+    /disagg  ContextWorker + GenerationWorker over NIXL, n-gram drafts (no API key, no queue limit)
+    /agg     AggregatedWorker without drafts, with an API key and max_queue=1
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from app.routing import rank_replicas
+from app.serve_app import build_app
+from engine.tiny import resolve_model_path
+from engine.tokenizer import Tokenizer
+from tests.app.fakes import openai_client, wait_until
+
+MODEL = "windserve-tiny"
+API_KEY = "test-key"
+ENGINE = {"model": MODEL, "tokens_per_block": 8, "num_pages": 128, "max_num_seqs": 16, "device": "cpu"}
+MAX_DRAFT_LEN = 2
+MAX_MODEL_LEN = 128 * 8 - MAX_DRAFT_LEN  # what one request can hold in num_pages, below the model's 4096 positions
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+# Shorter and longer than the 32-token window, crossing 8-token blocks.
+PROMPTS = ["Hi", "The capital of France is", "abcabcabcabcabcabcabcabcabcabcabcabc", "windows " * 9]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    # address="local": a new instance, never a cluster someone else started on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run_many([
+        serve.RunTarget(build_app({**ENGINE, "mode": "disagg", "max_draft_len": MAX_DRAFT_LEN}),
+                        name="disagg", route_prefix="/disagg"),
+        serve.RunTarget(build_app({**ENGINE, "mode": "aggregated", "transport": "local", "api_key": API_KEY,
+                                   "max_queue": 1}), name="agg", route_prefix="/agg"),
+    ])
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def disagg_url(base_url: str) -> str:
+    return f"{base_url}/disagg"
+
+
+@pytest.fixture(scope="module")
+def agg_url(base_url: str) -> str:
+    return f"{base_url}/agg"
+
+
+@pytest.fixture(scope="module")
+def client(disagg_url: str) -> openai.OpenAI:
+    return openai_client(disagg_url).with_options(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def agg_client(agg_url: str) -> openai.OpenAI:
+    return openai_client(agg_url, api_key=API_KEY).with_options(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(resolve_model_path(MODEL))
+
+
+def metric_samples(url: str, name: str) -> dict[tuple[str, str], float]:
+    """(worker, role) -> value of one worker series in /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.labels["worker"], s.labels["role"]): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
+
+
+def in_flight(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "windserve_requests_in_flight")
+
+
+def pages_in_use(url: str, role: str) -> float:
+    return sum(v for (_, r), v in metric_samples(url, "windserve_kv_pages_in_use").items() if r == role)
+
+
+def pages_all_free(url: str) -> bool:
+    in_use = metric_samples(url, "windserve_kv_pages_in_use")
+    return bool(in_use) and all(value == 0 for value in in_use.values())
+
+
+def sse_payloads(raw: bytes) -> list[str]:
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = raw.decode("utf-8").split("\n\n")
+    assert events[-1] == "" and all(e.startswith("data: ") and "\n" not in e for e in events[:-1])
+    return [event[len("data: "):] for event in events[:-1]]
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_completion_usage_counts_tokens(client, tokenizer):
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, **GREEDY)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[1]))
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
+
+
+def test_chat_usage_counts_template_tokens(client, tokenizer):
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, **GREEDY)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == len(tokenizer.apply_chat_template(MESSAGES))
+    assert reply.usage.completion_tokens == 8
+
+
+def test_streamed_chunks_concatenate_to_the_full_text(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens == 20
+
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, **GREEDY)
+    chunks = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, stream=True, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+
+
+def test_stop_string_cuts_the_text(client):
+    text = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, **GREEDY).choices[0].text
+    # An ASCII character that first appears past the start: the text before it is what a stop on it leaves.
+    cut = next((k for k in range(1, len(text)) if text[k].isascii() and text[k].isprintable()
+                and text[k] not in text[:k]), None)
+    assert cut is not None, f"no usable stop character in {text!r}"
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32, stop=[text[cut]], **GREEDY)
+    assert reply.choices[0].text == text[:cut]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_same_seed_same_sample(client):
+    def sample(seed: int) -> str:
+        reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0.8,
+                                          seed=seed, extra_body={"ignore_eos": True})
+        return reply.choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert sample(4321) != first
+
+
+def test_error_statuses(client, agg_url):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=-1)
+    assert info.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="a" * MAX_MODEL_LEN, max_tokens=4)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
+    assert info.value.status_code == 404
+    with pytest.raises(openai.AuthenticationError) as info:
+        openai_client(agg_url, api_key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=4)
+    assert info.value.status_code == 401
+
+
+def test_full_queue_is_503_with_retry_after(agg_url):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=agg_url, headers=headers, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # held: a dropped line iterator closes the connection
+            next(lines)  # admitted and running
+            second = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 4})
+        assert second.status_code == 503
+        assert second.headers["Retry-After"] == "1"
+        assert second.json()["error"]["code"] == "overloaded"
+        assert wait_until(lambda: in_flight(agg_url) == 0, timeout_s=20)
+        assert wait_until(lambda: pages_all_free(agg_url), timeout_s=20)
+
+
+def test_sse_wire_format(disagg_url):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 6, "stream": True, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{disagg_url}/v1/completions", json=body, timeout=30) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        raw = reply.read()
+    chunks = [json.loads(p) for p in sse_payloads(raw)[:-1]]
+    assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+
+
+def test_disconnect_mid_stream_aborts_and_frees_pages_on_both_workers(disagg_url):
+    assert wait_until(lambda: pages_all_free(disagg_url), timeout_s=20)
+    board = serve.get_deployment_handle("WorkerStats", app_name="disagg")
+    cancelled_before = {e["role"]: e["num_cancelled"] for e in board.snapshot.remote().result()}
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{disagg_url}/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert wait_until(lambda: pages_in_use(disagg_url, "generation") > 0, timeout_s=10)
+    assert wait_until(lambda: pages_all_free(disagg_url), timeout_s=20)
+    assert wait_until(lambda: {e["role"]: e["num_cancelled"] for e in board.snapshot.remote().result()}
+                      .get("generation", 0) > cancelled_before["generation"], timeout_s=10)
+    entries = board.snapshot.remote().result()
+    assert {e["role"] for e in entries} == {"context", "generation"}
+    assert all(e["num_running"] == 0 and e["num_free_pages"] == e["num_total_pages"] for e in entries)
+
+
+def test_metrics_show_pages_of_every_worker(disagg_url):
+    assert wait_until(lambda: pages_all_free(disagg_url), timeout_s=20)
+    free = metric_samples(disagg_url, "windserve_kv_pages_free")
+    assert sorted(role for _, role in free) == ["context", "generation"]
+    assert all(worker.startswith(("ContextWorker#", "GenerationWorker#")) for worker, _ in free)
+    assert set(free.values()) == {2 * 128}  # two layer groups (sliding, full) of num_pages each
+    moved = metric_samples(disagg_url, "windserve_kv_transfer_bytes_total")
+    assert [role for _, role in moved] == ["generation"] and sum(moved.values()) > 0
+    proposed = metric_samples(disagg_url, "windserve_spec_draft_tokens_proposed_total")
+    accepted = metric_samples(disagg_url, "windserve_spec_draft_tokens_accepted_total")
+    generation = next(key for key in proposed if key[1] == "generation")
+    assert proposed[generation] > 0 and 0 <= accepted[generation] <= proposed[generation]  # the repetitive prompts
+    assert httpx.get(f"{disagg_url}/health", timeout=10).status_code == 200
+
+
+def test_disaggregated_equals_aggregated(client, agg_client, agg_url):
+    assert wait_until(lambda: in_flight(agg_url) == 0, timeout_s=20)
+    for prompt in PROMPTS:
+        disagg = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY)
+        agg = agg_client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY)
+        assert disagg.choices[0].text == agg.choices[0].text, prompt
+    disagg = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
+    agg = agg_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
+    assert disagg.choices[0].message.content == agg.choices[0].message.content
+
+
+def fake_replica(name: str, free: int | None, total: int = 100):
+    stats = {} if free is None else {"num_free_pages": free, "num_total_pages": total}
+    return SimpleNamespace(name=name, routing_stats=stats)
+
+
+def test_router_prefers_free_pages_among_the_less_loaded():
+    replicas = [fake_replica("a", 90), fake_replica("b", 10), fake_replica("c", 99), fake_replica("d", None)]
+    queue = {"a": 1, "b": 0, "c": 5, "d": None}
+    ranks = rank_replicas(replicas, lambda r: queue[r.name], queue_slack=1)
+    # c has the most free pages but the longest queue; d has not reported (unknown = less loaded, ranked last).
+    assert [[r.name for r in rank] for rank in ranks] == [["a"], ["b"], ["d"], ["c"]]
+    ranks = rank_replicas(replicas, lambda r: queue[r.name], queue_slack=5)
+    assert [r.name for rank in ranks for r in rank] == ["c", "a", "b", "d"]
