@@ -132,8 +132,8 @@ class GenerationWorker(KVWorker):
         return self.transport.read(peer, runs, self.config.transfer_timeout_s) if runs else 0
 
     async def stats(self) -> dict:
-        return {**await super().stats(), "kv_transfers": self.num_transfers, "kv_bytes": self.total_kv_bytes,
-                "kv_seconds": self.total_kv_seconds}
+        return {**await super().stats(), "kv_transfers": self.num_transfers, "kv_transfer_bytes": self.total_kv_bytes,
+                "kv_transfer_seconds": self.total_kv_seconds}
 
     async def last_transfer(self) -> TransferRecord | None:
         return self.transfers[-1] if self.transfers else None

@@ -49,7 +49,6 @@ INGRESS_MAX_ONGOING_REQUESTS = 1024  # app.config's max_queue is the admission l
 # Worker stats keys passed on to /metrics (app.metrics) and the router (app.routing).
 METRICS_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting", "num_cancelled",
                 "kv_transfer_bytes", "kv_transfer_seconds", "num_drafts_proposed", "num_drafts_accepted")
-RENAMED_KEYS = {"kv_bytes": "kv_transfer_bytes", "kv_seconds": "kv_transfer_seconds"}  # actors' -> app.metrics'
 ROUTING_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting")
 WORKER_OPTIONS = dict(
     ray_actor_options={"num_cpus": 0},  # workers set their own torch threads
@@ -59,7 +58,6 @@ WORKER_OPTIONS = dict(
 
 def metrics_entry(name: str, role: str, stats: dict) -> dict:
     """A worker's ``stats()`` in app.metrics' schema."""
-    stats = {RENAMED_KEYS.get(key, key): value for key, value in stats.items()}
     entry = {"name": name, "role": role, **{key: stats[key] for key in METRICS_KEYS if key in stats}}
     if "num_free_pages" in entry and "num_total_pages" in entry:
         entry["pages_in_use"] = entry["num_total_pages"] - entry["num_free_pages"]
@@ -93,7 +91,6 @@ class WorkerReplica:
         self.board = board
         self.name = f"{context.deployment}#{context.replica_id.unique_id}"
         self.num_cancelled = 0  # streams whose caller went away (client disconnects)
-        self.num_drafts_proposed = self.num_drafts_accepted = 0  # over the streams relayed here
         self._latest: dict = {}
         self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
@@ -104,8 +101,7 @@ class WorkerReplica:
         return self.name
 
     async def stats(self) -> dict:
-        return {**await self.worker.stats(), "num_cancelled": self.num_cancelled,
-                "num_drafts_proposed": self.num_drafts_proposed, "num_drafts_accepted": self.num_drafts_accepted}
+        return {**await self.worker.stats(), "num_cancelled": self.num_cancelled}
 
     async def record_routing_stats(self) -> dict:
         return {k: self._latest[k] for k in ROUTING_KEYS if k in self._latest}
@@ -121,19 +117,13 @@ class WorkerReplica:
 
     async def _relay(self, updates: AsyncIterator[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
         """Yield a worker's updates; a cancelled caller closes the worker's stream (abort, pages freed)."""
-        proposed = accepted = 0  # cumulative per request in each update
         async with contextlib.aclosing(updates):
             try:
                 async for update in updates:
-                    proposed = max(proposed, update.num_drafts_proposed)
-                    accepted = max(accepted, update.num_drafts_accepted)
                     yield update
             except (asyncio.CancelledError, GeneratorExit):
                 self.num_cancelled += 1
                 raise
-            finally:
-                self.num_drafts_proposed += proposed
-                self.num_drafts_accepted += accepted
 
     def __del__(self) -> None:
         with contextlib.suppress(RuntimeError):  # the loop may be closed already

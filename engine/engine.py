@@ -58,6 +58,8 @@ class LLMEngine:
         self._stoppers: dict[str, StopChecker] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
+        self.num_drafts_proposed = 0
+        self.num_drafts_accepted = 0
 
     def _max_model_len(self) -> int:
         """The model's limit, the config's, and what one request alone can hold in the cache
@@ -163,6 +165,8 @@ class LLMEngine:
             result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator)
             request.num_drafts_proposed += len(item.draft_token_ids)
             request.num_drafts_accepted += result.num_accepted
+            self.num_drafts_proposed += len(item.draft_token_ids)
+            self.num_drafts_accepted += result.num_accepted
             request.num_computed_tokens += result.num_accepted
             return self._accept_tokens(request, result.token_ids, result.logprobs)
         result = self.sampler.sample(rows, [request.params], [request.generator])
@@ -230,4 +234,6 @@ class LLMEngine:
             "num_total_pages": self.manager.num_total_pages(),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_forward_passes": self.runner.num_forward_passes,
+            "num_drafts_proposed": self.num_drafts_proposed,
+            "num_drafts_accepted": self.num_drafts_accepted,
         }
