@@ -7,6 +7,8 @@ import time
 
 import pytest
 import ray
+
+from tests.ray_start import start_ray
 import torch
 
 from actors.leases import LeaseDenied
@@ -21,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2)
     yield
     ray.shutdown()
 

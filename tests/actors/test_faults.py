@@ -10,6 +10,8 @@ import time
 import pytest
 import ray
 
+from tests.ray_start import start_ray
+
 from engine import SamplingParams
 from tests.actors.disagg_helpers import RemoteContext, RemoteGeneration, disagg_request, worker_config
 
@@ -18,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2)
     yield
     ray.shutdown()
 

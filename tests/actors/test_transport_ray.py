@@ -10,6 +10,8 @@ import pytest
 import ray
 import torch
 
+from tests.ray_start import start_ray
+
 pytest.importorskip("nixl._api")
 
 from actors.peers import PeerDirectory, PeerMismatchError, PeerNotFoundError, compat_differences  # noqa: E402
@@ -59,8 +61,8 @@ class PageHolder:
 
 @pytest.fixture(scope="module")
 def holders():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+    start_ray(num_cpus=2,
+              runtime_env={"env_vars": {"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}})
     # The context side serves reads, so it needs NIXL's progress thread; the reader drives its own.
     ctx = PageHolder.remote("ctx", seed=1, compat=COMPAT, progress_delay_us=1000)
     gen = PageHolder.remote("gen", seed=2, compat=COMPAT, progress_delay_us=None)

@@ -8,6 +8,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from tests.ray_start import start_ray
+
 from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
 from engine import SamplingParams
@@ -21,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 def two_nodes():
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"context_node": 1}})
     cluster.add_node(num_cpus=1, resources={"generation_node": 1})
-    ray.init(address=cluster.address, log_to_driver=False)
+    start_ray(address=cluster.address)
     yield cluster
     ray.shutdown()
     cluster.shutdown()

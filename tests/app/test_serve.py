@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 import ray
+
+from tests.ray_start import start_ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
@@ -47,7 +49,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     # address="local": a new instance, never a cluster someone else started on this machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(address="local", num_cpus=2)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run_many([
