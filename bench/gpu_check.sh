@@ -1,0 +1,262 @@
+#!/usr/bin/env bash
+# One prepared check of windserve on a single CUDA GPU machine (offline: nothing outside it is reachable).
+#
+#   bash bench/gpu_check.sh            # from anywhere; logs in ${OUT:-bench/out}/gpu_check/
+#   GPU_CHECK_VENV=/path/to/venv       # default ~/.cache/windserve/venv-gpu; PIP_* variables reach pip
+#
+# Steps, each under its own timeout, each failing loudly (banner + log tail; exit 1 at the end):
+#   versions      nvidia-smi, python, torch + CUDA, ray, nixl, transformers
+#   install       a venv (--system-site-packages when the system torch has CUDA: its torch is kept),
+#                 pip install -e .[test] (no cpu extra); offline, the already-installed packages are used
+#   parity        tests/engine/test_model_parity.py + test_engine_vs_transformers.py (wired to the CPU)
+#   greedy_cuda   our engine on cuda (drafts 0 and 3) vs transformers generate on cuda: same greedy tokens
+#   disagg_cuda   ContextWorker + GenerationWorker as Ray actors, EngineConfig(device="cuda"), NIXL with
+#                 VRAM registration; tokens == an AggregatedWorker on cuda; KV bytes moved > 0
+#   bench_*       python -m bench.transfer --quick, python -m bench.engine --quick (when present)
+# A short table comes last. Budget: under 5 minutes on an idle machine.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+LOG_DIR="${OUT:-$ROOT/bench/out}/gpu_check"
+WORK="$(mktemp -d)"
+mkdir -p "$LOG_DIR"
+T0=$(date +%s)
+NAMES=(); STATUS=(); SECONDS_TAKEN=(); FAILED=0
+PY=""
+VENV="${GPU_CHECK_VENV:-$HOME/.cache/windserve/venv-gpu}"  # outside the repo: the repo copy stays clean
+
+print_table() {
+  echo
+  echo "== gpu_check summary ($(( $(date +%s) - T0 ))s total; logs in $LOG_DIR) =="
+  printf '%-14s %-8s %6s\n' step result seconds
+  for i in "${!NAMES[@]}"; do
+    printf '%-14s %-8s %6s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECONDS_TAKEN[$i]}"
+  done
+}
+
+# step NAME TIMEOUT_S REQUIRED(yes|no) CMD...: runs CMD, tees its output to LOG_DIR/NAME.log.
+step() {
+  local name=$1 limit=$2 required=$3 start rc
+  shift 3
+  echo; echo "== [$name] (timeout ${limit}s): $*"
+  start=$(date +%s)
+  set +e
+  # bash -c: the exported functions below run under timeout like any command
+  timeout --kill-after=15 "$limit" bash -c 'set -euo pipefail; "$@"' "$name" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  NAMES+=("$name"); SECONDS_TAKEN+=("$(( $(date +%s) - start ))")
+  if [[ $rc -eq 0 ]]; then
+    STATUS+=("ok")
+    return 0
+  fi
+  STATUS+=("FAIL($rc)"); FAILED=1
+  {
+    echo "!!!!!!!!!! FAILED: step '$name' exit $rc$([[ $rc -eq 124 || $rc -eq 137 ]] && echo ' (TIMEOUT)') !!!!!!!!!!"
+    echo "!!!!!!!!!! last lines of $LOG_DIR/$name.log:"
+    tail -n 25 "$LOG_DIR/$name.log" | sed 's/^/!!   /'
+  } >&2
+  if [[ $required == yes ]]; then
+    print_table
+    echo "a required step failed: stopping here" >&2
+    exit 1
+  fi
+  return 0
+}
+
+versions() {
+  "$PY" - <<'EOF'
+import importlib, platform, sys
+print("python", platform.python_version(), sys.executable)
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+for name in ("ray", "nixl", "transformers", "tokenizers", "fastapi", "pydantic", "pytest"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "(no __version__)"))
+    except Exception as exc:
+        print(name, "MISSING:", type(exc).__name__, exc)
+if not torch.cuda.is_available():
+    sys.exit("torch.cuda.is_available() is False: this check needs a CUDA GPU")
+EOF
+}
+
+system_torch_has_cuda() {
+  python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1
+}
+
+IMPORTS_CHECK='
+import torch, ray, nixl, transformers, tokenizers, safetensors, fastapi, pydantic, prometheus_client, yaml
+import pytest, hypothesis, httpx, openai
+import engine, actors, app
+assert torch.cuda.is_available(), "torch in the venv has no CUDA"
+print("imports ok; torch", torch.__version__, "cuda", torch.version.cuda)'
+
+install() {
+  local venv="$VENV" pip
+  if system_torch_has_cuda; then
+    echo "system python3 has torch with CUDA: venv with --system-site-packages (its torch is kept)"
+    python3 -m venv --system-site-packages "$venv"
+  else
+    echo "system python3 has no CUDA torch: plain venv; pip's default Linux torch wheel is the CUDA build"
+    python3 -m venv "$venv"
+  fi
+  pip=("$venv/bin/python" -m pip install --disable-pip-version-check --retries 1 --timeout 20)
+  if PYTHONPATH="$ROOT" "$venv/bin/python" -c "$IMPORTS_CHECK" 2>/dev/null; then
+    echo "every dependency is importable already: installing windserve itself only (no downloads)"
+    "${pip[@]}" --no-deps --no-build-isolation -e . || echo "WARNING: editable install failed; using PYTHONPATH" >&2
+  elif ! "${pip[@]}" -e ".[test]"; then
+    echo "WARNING: pip install -e .[test] failed (offline?); checking the packages already installed" >&2
+  fi
+  # Installed or not: every import the checks need must work (the repo itself is on PYTHONPATH).
+  PYTHONPATH="$ROOT" "$venv/bin/python" -c "$IMPORTS_CHECK"
+}
+
+write_greedy_check() {
+  cat > "$WORK/greedy_cuda.py" <<'EOF'
+"""Our engine on cuda against transformers' generate on cuda, greedy, same windserve-tiny weights."""
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from engine.tiny import ensure_tiny_model
+
+torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both sides
+torch.backends.cudnn.allow_tf32 = False
+path = ensure_tiny_model()
+generator = torch.Generator().manual_seed(7)
+prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (7, 33, 50, 71, 130)]
+NUM_TOKENS = 32
+
+llms = {d: LLM(path, device="cuda", tokens_per_block=8, max_draft_len=d) for d in (0, 3)}
+assert torch.cuda.memory_allocated() > 0, "the engine put nothing on the GPU"
+hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager").to("cuda").eval()
+expected = []
+with torch.inference_mode():
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device="cuda")
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS,
+                          min_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(prompt):].tolist())
+bad = 0
+for draft, llm in llms.items():
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
+    for prompt, output, want in zip(prompts, outputs, expected):
+        same = output.token_ids == want
+        first = next((i for i, (a, b) in enumerate(zip(output.token_ids, want)) if a != b), None)
+        print(f"drafts={draft} prompt_len={len(prompt):4d} identical={same}" + ("" if same else f" first diff at {first}"))
+        bad += not same
+sys.exit(f"{bad} outputs differ from transformers on cuda" if bad else 0)
+EOF
+}
+
+write_disagg_check() {
+  cat > "$WORK/disagg_cuda.py" <<'EOF'
+"""Disaggregated on cuda (NIXL registers VRAM) == aggregated on cuda, token for token."""
+import asyncio
+import sys
+import time
+
+import ray
+import torch
+
+from actors.aggregated_worker import AggregatedWorker
+from actors.config import WorkerConfig
+from actors.context_worker import ContextWorker
+from actors.generation_worker import GenerationWorker
+from engine import EngineConfig, SamplingParams
+from tests.actors.disagg_helpers import disagg_request, random_prompts
+
+
+def config(transport: str, **engine) -> WorkerConfig:
+    return WorkerConfig(engine=EngineConfig(device="cuda", tokens_per_block=8, **engine), transport=transport)
+
+
+async def aggregated(worker, request_id, prompt, params):
+    tokens = []
+    async for ref in worker.generate.remote(request_id, prompt, params):
+        update = await ref
+        if update.finish_reason == "error":
+            raise RuntimeError(update.error)
+        tokens += update.new_token_ids
+    return tokens
+
+
+async def main() -> int:
+    remote = lambda cls: ray.remote(num_cpus=0, num_gpus=0)(cls)  # noqa: E731 (num_gpus=0: the GPU stays visible)
+    ctx = remote(ContextWorker).remote(config("nixl"))
+    gen = remote(GenerationWorker).remote(config("nixl", max_draft_len=2))
+    agg = remote(AggregatedWorker).remote(config("local"))
+    prompts = random_prompts(12, seed=3) + [list(range(200))]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    start = time.perf_counter()
+    got = await asyncio.gather(*(disagg_request(ctx, gen, f"d{i}", p, params) for i, p in enumerate(prompts)))
+    disagg_s = time.perf_counter() - start
+    start = time.perf_counter()
+    want = [await aggregated(agg, f"a{i}", p, params) for i, p in enumerate(prompts)]
+    agg_s = time.perf_counter() - start
+    stats = await gen.stats.remote()
+    bad = sum(g != w for g, w in zip(got, want))
+    print(f"requests={len(prompts)} identical={len(prompts) - bad} kv_transfer_bytes={stats.get('kv_transfer_bytes')} "
+          f"disagg_s={disagg_s:.2f} (concurrent) aggregated_s={agg_s:.2f} (one by one)")
+    await asyncio.sleep(1.0)  # the context side frees a request's pages once the generation side releases them
+    leaked = 0
+    for name, worker in (("context", ctx), ("generation", gen), ("aggregated", agg)):
+        s = await worker.stats.remote()
+        leaked += s["num_free_pages"] != s["num_total_pages"]
+        print(name, {k: s.get(k) for k in ("num_free_pages", "num_total_pages", "kv_transfer_bytes")})
+    if bad or leaked or not stats.get("kv_transfer_bytes"):
+        print(f"FAIL: {bad} outputs differ, {leaked} workers hold pages, or no KV moved", file=sys.stderr)
+        return 1
+    return 0
+
+
+assert torch.cuda.is_available()
+ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+try:
+    sys.exit(asyncio.run(asyncio.wait_for(main(), timeout=150)))
+finally:
+    ray.shutdown()
+EOF
+}
+
+bench_module() {  # bench_module NAME: python -m bench.NAME --quick, with --device cuda when it takes one
+  local name=$1 extra=()
+  if "$PY" -m "bench.$name" --help 2>/dev/null | grep -q -- '--device'; then extra=(--device cuda); fi
+  "$PY" -m "bench.$name" --quick --out "$LOG_DIR/bench" ${extra[@]+"${extra[@]}"}
+}
+
+echo "== gpu_check in $ROOT, $(date -u), $(uname -srm)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "WARNING: nvidia-smi failed" >&2
+python3 -V || { echo "no python3 on this machine" >&2; exit 1; }
+export ROOT LOG_DIR PY VENV IMPORTS_CHECK
+export -f versions system_torch_has_cuda install bench_module
+step install 240 yes install
+PY="$VENV/bin/python"
+export PY PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" RAY_DEDUP_LOGS=0
+step versions 60 yes versions
+step parity 180 no "$PY" -m pytest -q -x -p no:cacheprovider \
+  tests/engine/test_model_parity.py tests/engine/test_engine_vs_transformers.py
+write_greedy_check
+step greedy_cuda 150 no "$PY" "$WORK/greedy_cuda.py"
+write_disagg_check
+step disagg_cuda 200 no "$PY" "$WORK/disagg_cuda.py"
+for name in transfer engine; do
+  if [[ -f "$ROOT/bench/$name.py" ]]; then
+    step "bench_$name" 150 no bench_module "$name"
+  else
+    echo "bench/$name.py is not there yet: skipped"; NAMES+=("bench_$name"); STATUS+=("skipped"); SECONDS_TAKEN+=(0)
+  fi
+done
+grep -h -E '^(drafts=|requests=)' "$LOG_DIR"/greedy_cuda.log "$LOG_DIR"/disagg_cuda.log 2>/dev/null || true
+print_table
+rm -rf "$WORK"
+if [[ $FAILED -ne 0 ]]; then
+  echo "gpu_check: FAILED (see the banners above)" >&2
+  exit 1
+fi
+echo "gpu_check: all steps passed"
