@@ -1,0 +1,186 @@
+"""What every benchmark shares: arguments, progress lines, timing, JSON + PNG output, a table.
+
+Figures are ratios of A and B measured side by side in one run: ``interleave``
+alternates the candidates rep by rep (and flips their order every rep), so a
+noisy neighbour on a shared machine slows both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Awaitable, Callable
+
+import torch
+
+_START = time.monotonic()
+
+
+def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="smallest sizes and one repetition (smoke test)")
+    parser.add_argument("--out", default=os.path.join("bench", "out"), help="folder for <name>.json and <name>.png")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions of each measurement (default: per mode)")
+    return parser.parse_args(argv)
+
+
+def progress(message: str) -> None:
+    """One line, prefixed by the seconds since the benchmark started."""
+    print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
+
+
+def timed(fn: Callable, *args, **kwargs) -> tuple[object, float]:
+    """``(fn(...), wall seconds)``."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
+def timed_cpu(fn: Callable, *args, **kwargs) -> tuple[object, float, float]:
+    """``(fn(...), wall seconds, CPU seconds of this process)``.
+
+    On a shared machine the wall time includes waiting for a core; the CPU
+    time does not, so for single-threaded in-process work it is the steadier
+    figure (it still includes slowdowns from shared caches and memory).
+    """
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def interleave(reps: int, candidates: dict[str, Callable[[], object]]) -> dict[str, list]:
+    """Run every candidate ``reps`` times, alternating them and reversing their order every other rep.
+
+    Returns each candidate's results (whatever its callable returns), in rep order.
+    """
+    names = list(candidates)
+    results: dict[str, list] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            results[name].append(candidates[name]())
+    return results
+
+
+async def ainterleave(reps: int, candidates: dict[str, Callable[[], Awaitable]]) -> dict[str, list]:
+    """``interleave`` for coroutine functions: each run is awaited before the next starts."""
+    names = list(candidates)
+    results: dict[str, list] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            results[name].append(await candidates[name]())
+    return results
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return float("nan") if denominator == 0 else numerator / denominator
+
+
+def machine_info() -> dict:
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def write_json(out_dir: str, name: str, figures: dict) -> str:
+    """``<out_dir>/<name>.json``: the figures plus the command, the date and the machine."""
+    os.makedirs(out_dir, exist_ok=True)
+    record = {
+        "name": name,
+        "command": " ".join(["python", *sys.orig_argv[1:]]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.monotonic() - _START, 1),
+        "machine": machine_info(),
+        **figures,
+    }
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2, sort_keys=False, default=float)
+        f.write("\n")
+    return path
+
+
+def write_plot(out_dir: str, name: str, draw: Callable) -> str | None:
+    """``draw(plt)`` fills a figure saved as ``<out_dir>/<name>.png``; None (and a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        progress("matplotlib is not installed (pip install -e '.[bench]'): no plot written")
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    draw(plt)
+    path = os.path.join(out_dir, f"{name}.png")
+    plt.tight_layout()
+    plt.savefig(path, dpi=110)
+    plt.close("all")
+    return path
+
+
+def print_table(title: str, headers: list[str], rows: list[list]) -> None:
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def _cell(value) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.2f}" if abs(value) >= 0.1 else f"{value:.3g}"
+
+
+def start_ray(attempts: int = 3) -> None:
+    """Ray waits a fixed 30 s for its node; a loaded machine can miss that, so retry."""
+    import ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+            return
+        except Exception as exc:  # Ray raises a bare Exception on a start-up timeout
+            ray.shutdown()
+            if "timed out during startup" not in str(exc) or attempt == attempts:
+                raise
+            progress(f"Ray start-up timed out (attempt {attempt}); retrying")
+
+
+def build_gptoss_model(directory: str, **overrides) -> str:
+    """A random GPT-OSS-shaped model in ``directory`` (GptOssConfig + save_pretrained, seed 0),
+    with windserve-tiny's byte-level tokenizer; ``overrides`` are config fields
+    (``layer_types`` alternate window / full over ``num_hidden_layers``)."""
+    import shutil
+
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from engine.tiny import ensure_tiny_model, tiny_config_dict
+
+    cfg = {k: v for k, v in tiny_config_dict().items() if k not in ("architectures", "model_type", "dtype")}
+    cfg.update(overrides)
+    cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    torch.manual_seed(0)
+    GptOssForCausalLM(GptOssConfig(**cfg)).save_pretrained(directory)
+    tiny = ensure_tiny_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copy(os.path.join(tiny, name), directory)
+    return directory

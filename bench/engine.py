@@ -1,0 +1,303 @@
+"""Our engine against what a user would pick instead (transformers ``generate``).
+
+    python -m bench.engine [--quick] [--out bench/out] [--reps N]
+
+Three figures, each a ratio measured side by side in this run:
+
+1. throughput: output tokens/s of ``engine.LLM`` / transformers ``generate`` on
+   the same model directory and the same seeded prompts, greedy, a fixed
+   ``max_tokens``, at concurrency c (transformers: left-padded batches of c;
+   ours: every prompt submitted at once with ``max_num_seqs = c``). Models:
+   windserve-tiny (Python overhead dominates) and ``gptoss-mid``, a random
+   GPT-OSS-shaped model built here (compute dominates).
+2. speculative: forward passes per output token without / with n-gram drafts
+   on prompts made of repeated phrases; outputs must be identical.
+3. decode floor: a batch-1 decode step against weight bytes / the memory-copy
+   bandwidth of a large torch copy measured in between the steps.
+
+Both systems run with one torch thread (the machine is shared; two threads
+under contention measured slower and far noisier).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+
+import torch
+
+from bench.common import (
+    build_gptoss_model, interleave, median, parse_args, print_table, progress, ratio, timed, timed_cpu,
+    write_json, write_plot,
+)
+from engine import LLM, SamplingParams
+from engine.tiny import ensure_tiny_model
+
+MODES = {
+    "full": dict(num_prompts=64, lengths=(16, 256), max_tokens=16, concurrencies=(1, 8, 32), throughput_reps=1,
+                 reps=2, spec_prompts=8, spec_tokens=48, decode_steps=24, models=("windserve-tiny", "gptoss-mid")),
+    "quick": dict(num_prompts=8, lengths=(8, 64), max_tokens=8, concurrencies=(1, 8), throughput_reps=1,
+                  reps=1, spec_prompts=2, spec_tokens=24, decode_steps=6, models=("windserve-tiny",)),
+}
+
+
+def mixed_prompts(num: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(*lengths))] for _ in range(num)]
+
+
+def repetitive_prompts(num: int, seed: int = 1) -> list[list[int]]:
+    """Random orderings of a few short phrases: every prompt is full of repeated n-grams."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        phrases = [[rng.randrange(256) for _ in range(rng.randint(3, 8))] for _ in range(3)]
+        prompt: list[int] = []
+        length = rng.randint(48, 160)
+        while len(prompt) < length:
+            prompt += rng.choice(phrases)
+        prompts.append(prompt)
+    return prompts
+
+
+def build_mid_model(directory: str) -> str:
+    """GPT-OSS-shaped (alternating window-128/full layers, sinks, top-4 of 16 experts), random, ~53M params.
+
+    transformers' own initialisation (std 0.02): unlike windserve-tiny, its
+    greedy output mostly copies n-grams of its context, as LLMs do on
+    repetitive text, which is the regime n-gram drafting is for.
+    """
+    return build_gptoss_model(directory, hidden_size=512, intermediate_size=512, num_hidden_layers=4,
+                              num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=16,
+                              num_experts_per_tok=4, sliding_window=128)
+
+
+# -- 1. throughput ---------------------------------------------------------------------------
+
+def make_llm(path: str, concurrency: int, longest: int, max_tokens: int, **kwargs) -> LLM:
+    B = 16
+    pages = concurrency * (-(-(longest + max_tokens + 8) // B) + 1) + 16  # no preemption at this concurrency
+    return LLM(path, device="cpu", tokens_per_block=B, num_pages=pages, max_num_seqs=concurrency, **kwargs)
+
+
+def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, float]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outputs, wall, cpu = timed_cpu(llm.generate, prompt_token_ids=prompts, sampling_params=params)
+    return [o.token_ids for o in outputs], wall, cpu
+
+
+def run_hf(hf, prompts: list[list[int]], max_tokens: int, batch: int, pad_id: int) -> tuple[list[list[int]], float, float]:
+    def generate():
+        tokens = []
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            with torch.inference_mode():  # eos_token_id=None: never stop early, never suppress EOS (= ignore_eos)
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
+                                  pad_token_id=pad_id, eos_token_id=None)
+            tokens += out[:, width:].tolist()
+        return tokens
+
+    tokens, wall, cpu = timed_cpu(generate)
+    if any(len(t) != max_tokens for t in tokens):
+        raise RuntimeError("transformers stopped before max_tokens")
+    return tokens, wall, cpu
+
+
+def throughput_row(model: str, concurrency: int, runs: dict[str, list], num_tokens: int) -> dict:
+    """Medians over reps; ratios are medians of the per-rep ratios (each rep ran both side by side)."""
+    ours, theirs = runs["ours"], runs["hf"]
+    same = sum(a == b for a, b in zip(ours[0][0], theirs[0][0]))
+    return {
+        "model": model, "concurrency": concurrency, "output_tokens": num_tokens,
+        "ours_tok_s": median([num_tokens / r[1] for r in ours]), "hf_tok_s": median([num_tokens / r[1] for r in theirs]),
+        "ratio": median([ratio(h[1], o[1]) for o, h in zip(ours, theirs)]),
+        "ratio_cpu": median([ratio(h[2], o[2]) for o, h in zip(ours, theirs)]),
+        "ours_cpu_tok_s": median([num_tokens / r[2] for r in ours]), "hf_cpu_tok_s": median([num_tokens / r[2] for r in theirs]),
+        "outputs_equal": f"{same}/{len(ours[0][0])}",
+    }
+
+
+def throughput(model: str, path: str, prompts: list[list[int]], mode: dict, reps: int) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    max_tokens, longest, rows = mode["max_tokens"], max(map(len, prompts)), []
+    num_tokens = len(prompts) * max_tokens
+    for c in mode["concurrencies"]:
+        llm = make_llm(path, c, longest, max_tokens)
+        pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+        run_ours(llm, prompts[:2], 2), run_hf(hf, prompts[:2], 2, c, pad_id)  # warm-up, not timed
+        progress(f"throughput {model} c={c}: {reps} x (ours, transformers) on {len(prompts)} prompts, "
+                 f"{max_tokens} tokens each")
+        runs = interleave(reps, {"ours": lambda: run_ours(llm, prompts, max_tokens),
+                                 "hf": lambda: run_hf(hf, prompts, max_tokens, c, pad_id)})
+        rows.append(throughput_row(model, c, runs, num_tokens))
+        progress(f"  ours {rows[-1]['ours_tok_s']:.0f} tok/s, transformers {rows[-1]['hf_tok_s']:.0f} tok/s, "
+                 f"ratio {rows[-1]['ratio']:.2f} (CPU time: {rows[-1]['ratio_cpu']:.2f}), "
+                 f"equal outputs {rows[-1]['outputs_equal']}")
+    return rows
+
+
+# -- 2. speculative decoding -------------------------------------------------------------------
+
+def speculative(model: str, path: str, mode: dict, reps: int, draft_len: int = 4) -> dict:
+    prompts = repetitive_prompts(mode["spec_prompts"])
+    llms = {d: make_llm(path, 1, max(map(len, prompts)), mode["spec_tokens"], max_draft_len=d) for d in (0, draft_len)}
+    params = SamplingParams(max_tokens=mode["spec_tokens"], ignore_eos=True)
+
+    def run(d: int):
+        before = llms[d].engine.runner.num_forward_passes
+        outputs, wall, cpu = timed_cpu(llms[d].generate, prompt_token_ids=prompts, sampling_params=params)
+        return outputs, wall, cpu, llms[d].engine.runner.num_forward_passes - before
+
+    progress(f"speculative {model}: {reps} x (no drafts, {draft_len} drafts) on {len(prompts)} repetitive prompts, "
+             "one at a time")
+    runs = interleave(reps, {"plain": lambda: run(0), "draft": lambda: run(draft_len)})
+    (plain_out, _, _, plain_passes), (draft_out, _, _, draft_passes) = runs["plain"][0], runs["draft"][0]
+    num_tokens = sum(len(o.token_ids) for o in plain_out)
+    proposed, accepted = sum(o.num_drafts_proposed for o in draft_out), sum(o.num_drafts_accepted for o in draft_out)
+    row = {
+        "model": model, "max_draft_len": draft_len, "num_prompts": len(prompts), "output_tokens": num_tokens,
+        "identical_outputs": all(a.token_ids == b.token_ids for a, b in zip(plain_out, draft_out)),
+        "passes_per_token_plain": plain_passes / num_tokens, "passes_per_token_draft": draft_passes / num_tokens,
+        "passes_ratio": ratio(plain_passes, draft_passes),
+        "acceptance_rate": ratio(accepted, proposed), "drafts_proposed": proposed, "drafts_accepted": accepted,
+        "wall_ratio": median([ratio(p[1], d[1]) for p, d in zip(runs["plain"], runs["draft"])]),
+        "cpu_ratio": median([ratio(p[2], d[2]) for p, d in zip(runs["plain"], runs["draft"])]),
+    }
+    progress(f"  {row['passes_ratio']:.2f}x fewer forward passes, acceptance {row['acceptance_rate']:.0%}, "
+             f"wall {row['wall_ratio']:.2f}x, identical outputs: {row['identical_outputs']}")
+    return row
+
+
+# -- 3. decode step against the memory floor ---------------------------------------------------
+
+def weight_bytes(module: torch.nn.Module, hf_config) -> tuple[int, int]:
+    """All parameter bytes, and the bytes one batch-1 decode step must read
+    (active experts only, one embedding row)."""
+    total = active = 0
+    top_k, experts = getattr(hf_config, "num_experts_per_tok", 1), getattr(hf_config, "num_local_experts", 1)
+    for name, p in module.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        total += nbytes
+        if "embed_tokens" in name:
+            active += p.shape[-1] * p.element_size()
+        elif ".experts." in name:
+            active += nbytes * top_k // experts
+        else:
+            active += nbytes
+    return total, active
+
+
+def copy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
+    return timed(dst.copy_, src)[1]
+
+
+def decode_floor(model: str, path: str, mode: dict, reps: int, copy_mib: int = 256) -> dict:
+    steps = mode["decode_steps"]
+    llm = make_llm(path, 1, 64, reps * (steps + 1) + 8)
+    engine, count = llm.engine, iter(range(1 << 30))
+
+    def decode_steps() -> list[float]:
+        rid = f"decode-{next(count)}"
+        engine.add_request(rid, mixed_prompts(1, (64, 64), seed=5)[0], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+        engine.step()  # prefill
+        times = [timed(engine.step)[1] for _ in range(steps)]
+        while engine.has_unfinished():
+            engine.step()
+        return times
+
+    src = torch.ones(copy_mib << 18)  # float32: copy_mib MiB
+    dst = torch.empty_like(src)
+    progress(f"decode floor {model}: {reps} x ({steps} batch-1 decode steps, a {copy_mib} MiB copy)")
+    runs = interleave(reps + 1, {"decode": decode_steps, "copy": lambda: copy_seconds(src, dst)})
+    steps_s = [t for rep in runs["decode"][1:] for t in rep]  # rep 0 warms up
+    bandwidth = 2 * src.numel() * src.element_size() / min(runs["copy"][1:])  # read + write bytes per second, best rep
+    total, active = weight_bytes(engine.model.module, engine.model.hf_config)
+    row = {"model": model, "step_ms": median(steps_s) * 1e3, "step_ms_best": min(steps_s) * 1e3,
+           "copy_bandwidth_gb_s": bandwidth / 1e9, "weight_bytes": total, "active_weight_bytes": active,
+           "floor_ms": total / bandwidth * 1e3, "active_floor_ms": active / bandwidth * 1e3}
+    row.update(ratio=row["step_ms"] / row["floor_ms"], ratio_best=row["step_ms_best"] / row["floor_ms"],
+               active_ratio=row["step_ms"] / row["active_floor_ms"])
+    return row
+
+
+# -- main --------------------------------------------------------------------------------------
+
+def draw(plt, throughput_rows: list[dict], specs: list[dict], floors: list[dict]) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for model in dict.fromkeys(r["model"] for r in throughput_rows):
+        rows = [r for r in throughput_rows if r["model"] == model]
+        x = [r["concurrency"] for r in rows]
+        line = axes[0].plot(x, [r["ratio"] for r in rows], "o-", label=f"{model} (wall)")[0]
+        axes[0].plot(x, [r["ratio_cpu"] for r in rows], "x:", c=line.get_color(), label=f"{model} (CPU time)")
+    axes[0].axhline(3.0, ls="--", c="grey", label="target at 32")
+    concurrencies = sorted({r["concurrency"] for r in throughput_rows})
+    axes[0].set(xscale="log", xlabel="concurrency", ylabel="ours / transformers, tokens/s", title="throughput ratio")
+    axes[0].set_xticks(concurrencies, [str(c) for c in concurrencies], minor=False)
+    axes[0].minorticks_off()
+    axes[0].legend(fontsize=8)
+    names = [s["model"] for s in specs]
+    axes[1].bar(names, [s["passes_per_token_plain"] for s in specs], label="no drafts")
+    axes[1].bar(names, [s["passes_per_token_draft"] for s in specs], width=0.4, label=f"{specs[0]['max_draft_len']} n-gram drafts")
+    axes[1].set(ylabel="forward passes per output token", title="speculative decoding, repetitive prompts")
+    axes[1].legend(fontsize=8)
+    names = [f["model"] for f in floors]
+    axes[2].bar(names, [f["step_ms"] for f in floors], label="decode step, batch 1 (median)")
+    axes[2].bar(names, [f["floor_ms"] for f in floors], width=0.4, label="all weight bytes / copy bandwidth")
+    axes[2].bar(names, [f["active_floor_ms"] for f in floors], width=0.2, label="active weight bytes / copy bandwidth")
+    axes[2].set(yscale="log", ylabel="ms", title="decode step vs memory floor")
+    axes[2].legend(fontsize=8)
+
+
+def print_tables(throughput_rows: list[dict], specs: list[dict], floors: list[dict]) -> None:
+    print_table("throughput (output tokens/s, greedy; ratio = ours / transformers)",
+                ["model", "conc", "ours", "transformers", "ratio", "ratio (CPU time)", "equal outputs"],
+                [[r["model"], r["concurrency"], r["ours_tok_s"], r["hf_tok_s"], r["ratio"], r["ratio_cpu"],
+                  r["outputs_equal"]] for r in throughput_rows])
+    print_table("speculative decoding (repetitive prompts, batch 1)",
+                ["model", "drafts", "passes/tok plain", "passes/tok draft", "fewer passes", "acceptance",
+                 "wall ratio", "CPU ratio", "identical"],
+                [[s["model"], s["max_draft_len"], s["passes_per_token_plain"], s["passes_per_token_draft"],
+                  s["passes_ratio"], s["acceptance_rate"], s["wall_ratio"], s["cpu_ratio"], s["identical_outputs"]]
+                 for s in specs])
+    print_table("decode step at batch 1 vs weight bytes / copy bandwidth",
+                ["model", "step ms", "best ms", "GB/s", "floor ms", "ratio", "best ratio", "active floor ms", "active ratio"],
+                [[f["model"], f["step_ms"], f["step_ms_best"], f["copy_bandwidth_gb_s"], f["floor_ms"], f["ratio"],
+                  f["ratio_best"], f["active_floor_ms"], f["active_ratio"]] for f in floors])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(__doc__.splitlines()[0], argv)
+    torch.set_num_threads(1)
+    mode = MODES["quick" if args.quick else "full"]
+    reps, throughput_reps = args.reps or mode["reps"], args.reps or mode["throughput_reps"]
+    prompts = mixed_prompts(mode["num_prompts"], mode["lengths"])
+    tmp = tempfile.mkdtemp(prefix="windserve-bench-")
+    try:
+        paths = {"windserve-tiny": ensure_tiny_model()}
+        if "gptoss-mid" in mode["models"]:
+            paths["gptoss-mid"] = build_mid_model(os.path.join(tmp, "gptoss-mid"))
+        rows = [row for model in mode["models"] for row in throughput(model, paths[model], prompts, mode, throughput_reps)]
+        spec = [speculative(model, paths[model], mode, reps) for model in mode["models"]]
+        floors = [decode_floor(model, paths[model], mode, reps) for model in mode["models"]]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    figures = {"mode": "quick" if args.quick else "full", "reps": reps, "throughput_reps": throughput_reps,
+               "settings": dict(mode),
+               "throughput": rows, "speculative": spec, "decode_floor": floors}
+    progress(f"wrote {write_json(args.out, 'engine', figures)}")
+    plot = write_plot(args.out, "engine", lambda plt: draw(plt, rows, spec, floors))
+    if plot:
+        progress(f"wrote {plot}")
+    print_tables(rows, spec, floors)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
