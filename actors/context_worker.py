@@ -19,6 +19,7 @@ from actors.leases import LeaseTable
 from actors.messages import KVHandle
 from actors.worker_base import KVWorker
 from engine import SamplingParams
+from engine.outputs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +49,15 @@ class ContextWorker(KVWorker):
             last = update
         if last is None or last.finish_reason in ("error", "abort"):
             raise RuntimeError(f"prefill of {request_id!r} failed: {last.error if last else 'no output'}")
-        return await self.loop.call(self._lease, request_id, len(prompt_token_ids), last.new_token_ids[0])
+        first_logprob = last.logprobs[0] if last.logprobs else None
+        return await self.loop.call(self._lease, request_id, len(prompt_token_ids), last.new_token_ids[0], first_logprob)
 
-    def _lease(self, request_id: str, prompt_len: int, first_token_id: int) -> KVHandle:
+    def _lease(self, request_id: str, prompt_len: int, first_token_id: int, first_logprob: TokenLogprob | None) -> KVHandle:
         manager = self.engine.manager
         ordinals = {g.name: manager.get_block_ordinals(request_id, g.name) for g in manager.spec.groups}
         deadline = self.leases.grant(request_id)
         return KVHandle(self.agent_name, request_id, prompt_len, first_token_id, ordinals, deadline,
-                        manager.spec.tokens_per_block)
+                        manager.spec.tokens_per_block, first_logprob)
 
     async def abort(self, request_id: str) -> bool:
         """Stop a prefill or drop a lease; its pages are freed either way."""

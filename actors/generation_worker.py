@@ -54,7 +54,8 @@ class GenerationWorker(KVWorker):
         await self.receive_kv(handle)
         queue = self.loop.watch(rid)
         try:
-            updates = await self.loop.call(self.engine.add_prefilled, rid, prompt_token_ids, handle.first_token_id, params)
+            updates = await self.loop.call(self.engine.add_prefilled, rid, prompt_token_ids, handle.first_token_id, params,
+                                          handle.first_logprob)
         except BaseException:
             self.loop.unwatch(rid)
             await self.loop.call(self.engine.abort, rid)

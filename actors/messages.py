@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.outputs import TokenLogprob
+
 
 @dataclass(frozen=True)
 class KVHandle:
@@ -12,6 +14,7 @@ class KVHandle:
     ``block_ordinals[group]`` is the context side's table for the request
     (entry ``i`` = page holding positions ``[i*B, (i+1)*B)``, -1 where none).
     ``lease_deadline`` is wall-clock seconds (``time.time()``).
+    ``first_logprob``: the first token's logprob when the request asked for logprobs.
     """
 
     context_agent: str
@@ -21,6 +24,7 @@ class KVHandle:
     block_ordinals: dict[str, list[int]]
     lease_deadline: float
     tokens_per_block: int
+    first_logprob: TokenLogprob | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:

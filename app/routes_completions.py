@@ -88,6 +88,9 @@ async def _prompt_token_ids(ctx: ServingContext, body: CompletionRequest) -> lis
         prompt = await ctx.encode(prompt)
         if not prompt:
             raise bad_request("prompt encodes to no tokens", param="prompt")
+    vocab_size = getattr(ctx.tokenizer, "vocab_size", None)  # test tokenizers may not say
+    if vocab_size is not None and max(prompt, default=0) >= vocab_size:
+        raise bad_request(f"prompt token ids must be below the vocabulary size {vocab_size}", param="prompt")
     return list(prompt)
 
 

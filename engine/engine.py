@@ -22,7 +22,7 @@ import torch
 from engine.config import EngineConfig
 from engine.drafter import make_drafter
 from engine.layout import kv_cache_spec
-from engine.outputs import RequestUpdate
+from engine.outputs import RequestUpdate, TokenLogprob
 from engine.params import SamplingParams
 from engine.request import Request, Status
 from engine.runner import ModelRunner
@@ -106,14 +106,16 @@ class LLMEngine:
         self.manager.allocate(request_id, prompt_len, **kwargs)
         return True
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams) -> list[RequestUpdate]:
-        """Start decoding a request whose prompt KV sits in the pages ``reserve_prefilled`` bound."""
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
+                      first_logprob: TokenLogprob | None = None) -> list[RequestUpdate]:
+        """Start decoding a request whose prompt KV sits in the pages ``reserve_prefilled`` bound;
+        ``first_logprob``: the context side's logprob of ``first_token_id`` (with ``params.logprobs``)."""
         if self.manager.num_tokens(request_id) != len(prompt_token_ids):
             raise ValueError(f"request {request_id!r}: reserved {self.manager.num_tokens(request_id)} tokens, prompt has {len(prompt_token_ids)}")
         request = self._new_request(request_id, prompt_token_ids, params, False)
         request.num_computed_tokens = len(prompt_token_ids)
         self.scheduler.add_running(request)
-        return [self._accept_tokens(request, [first_token_id], [None])]
+        return [self._accept_tokens(request, [first_token_id], [first_logprob])]
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool) -> Request:
         if request_id in self._requests:

@@ -5,11 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM-style sampling parameters, validated on construction.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` means no top-k cut.
+    ``temperature < MIN_TEMPERATURE`` means greedy (smaller ones overflow the
+    scaled logits). ``top_k <= 0`` means no top-k cut.
     ``seed`` makes a sampled request reproducible on its own, whatever it is
     batched with. ``logprobs`` asks for the chosen token's log-probability
     plus that many top alternatives per generated token (0 = chosen only).
@@ -45,4 +49,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE

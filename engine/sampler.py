@@ -70,11 +70,11 @@ def _filtered_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> t
     ranks = torch.arange(vocab_size, device=device)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_ks[:, None], float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the tokens ranked above it already reach top_p (never
-    # the top token: nothing ranks above it and top_p > 0). The top_p < 1
+    # Drop a token when the tokens ranked above it already reach top_p; never
+    # the top token (a top_p below float32's range rounds to 0). The top_p < 1
     # guard keeps cumsum rounding from cutting the tail of unfiltered rows.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop = (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1.0)
+    drop = (mass_before >= top_ps[:, None]) & (top_ps[:, None] < 1.0) & (ranks > 0)
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     return torch.zeros_like(scaled).scatter_(-1, sorted_ids, sorted_probs)
 
