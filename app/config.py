@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.config import WorkerConfig
-from engine.config import EngineConfig
+from engine.config import EngineConfig, max_model_len
 
 API_KEY_ENV = "WINDSERVE_API_KEY"
 
@@ -72,12 +72,8 @@ class AppConfig(BaseModel):
         return WorkerConfig(engine=self.to_engine_config(), transport=self.transport, lease_s=self.lease_s)
 
     def serving_max_model_len(self, model_path: str) -> int:
-        """The longest prompt + output the workers accept, as the engine computes it:
-        the model's positions, capped by ``max_model_len`` and by what one request
-        alone can hold in ``num_pages`` pages (less its draft slots)."""
+        """The longest prompt + output the workers accept (``engine.config.max_model_len``)."""
         from transformers import AutoConfig
 
-        limit = AutoConfig.from_pretrained(model_path, local_files_only=True).max_position_embeddings
-        if self.max_model_len is not None:
-            limit = min(limit, self.max_model_len)
-        return min(limit, self.num_pages * self.tokens_per_block - self.max_draft_len)
+        positions = AutoConfig.from_pretrained(model_path, local_files_only=True).max_position_embeddings
+        return max_model_len(self.to_engine_config(), positions, draft_len=self.max_draft_len)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcache import get_kv_capacity_tokens
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,3 +60,16 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def max_model_len(config: EngineConfig, max_position_embeddings: int, *, draft_len: int = 0,
+                  num_extra_kv_tokens: int = 0) -> int:
+    """The longest prompt + output a worker accepts: the model's positions, capped by
+    ``config.max_model_len`` and by what one request alone can hold in ``num_pages``
+    pages less its scratch (so that preempting the others always lets a request finish).
+    The engine and the HTTP ingress both call this; nothing else computes it."""
+    limit = max_position_embeddings
+    if config.max_model_len is not None:
+        limit = min(limit, config.max_model_len)
+    scratch = get_kv_capacity_tokens(0, draft_len, num_extra_kv_tokens)
+    return min(limit, config.num_pages * config.tokens_per_block - scratch)

@@ -19,7 +19,7 @@ import random
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, max_model_len
 from engine.drafter import make_drafter
 from engine.layout import kv_cache_spec
 from engine.outputs import RequestUpdate, TokenLogprob
@@ -50,7 +50,8 @@ class LLMEngine:
         self.manager = KVCacheManager(spec, config.num_pages, device=self.model.device)
         drafter = make_drafter(config.drafter, config.max_draft_len) if config.max_draft_len and role != "context" else None
         self.drafter = drafter
-        self.max_model_len = self._max_model_len()
+        self.max_model_len = max_model_len(config, self.model.max_position_embeddings, draft_len=self.draft_len,
+                                           num_extra_kv_tokens=self.num_extra_kv_tokens)
         self.scheduler = Scheduler(self._scheduler_config(), self.manager, self._propose if drafter else None)
         self.runner = ModelRunner(self.model.module, self.manager, self.model.device)
         self.sampler = Sampler()
@@ -60,16 +61,6 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.num_drafts_proposed = 0
         self.num_drafts_accepted = 0
-
-    def _max_model_len(self) -> int:
-        """The model's limit, the config's, and what one request alone can hold in the cache
-        (so that preempting the others always lets a request finish)."""
-        limit = self.model.max_position_embeddings
-        if self.config.max_model_len is not None:
-            limit = min(limit, self.config.max_model_len)
-        smallest_pool = min(pool.num_pages for pool in self.manager.pools.values())
-        room = smallest_pool * self.config.tokens_per_block - self.draft_len - self.num_extra_kv_tokens
-        return min(limit, room)
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
