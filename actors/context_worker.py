@@ -1,6 +1,6 @@
 """Context (prefill) worker: prefills prompts and holds their pages under a lease.
 
-    prefill(request) ──► engine prefill-only ──► first token, pages parked
+    prefill(request) ──► EngineLoop.prefill ──► PrefillResult: first token, pages parked
                      ──► lease granted ──► KVHandle (ids, ordinals, lengths)
 
 A generation worker then, over control messages (``actors.control``):
@@ -19,7 +19,7 @@ from actors.leases import LeaseTable
 from actors.messages import KVHandle
 from actors.worker_base import KVWorker
 from engine import SamplingParams
-from engine.outputs import TokenLogprob
+from engine.outputs import PrefillResult
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +44,14 @@ class ContextWorker(KVWorker):
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:
         """Prefill, sample the first token, and hold the prompt's pages under a lease."""
         self._start()
-        last = None
-        async for update in self.loop.generate(request_id, prompt_token_ids, params, prefill_only=True):
-            last = update
-        if last is None or last.finish_reason in ("error", "abort"):
-            raise RuntimeError(f"prefill of {request_id!r} failed: {last.error if last else 'no output'}")
-        first_logprob = last.logprobs[0] if last.logprobs else None
-        return await self.loop.call(self._lease, request_id, len(prompt_token_ids), last.new_token_ids[0], first_logprob)
+        result = await self.loop.prefill(request_id, prompt_token_ids, params)
+        return self._lease(result)  # no await in between: a cancellation cannot strand parked pages
 
-    def _lease(self, request_id: str, prompt_len: int, first_token_id: int, first_logprob: TokenLogprob | None) -> KVHandle:
-        manager = self.engine.manager
-        ordinals = {g.name: manager.get_block_ordinals(request_id, g.name) for g in manager.spec.groups}
-        deadline = self.leases.grant(request_id)
-        return KVHandle(self.agent_name, request_id, prompt_len, first_token_id, ordinals, deadline,
-                        manager.spec.tokens_per_block, first_logprob)
+    def _lease(self, result: PrefillResult) -> KVHandle:
+        deadline = self.leases.grant(result.request_id)
+        tokens_per_block = self.engine.manager.spec.tokens_per_block
+        return KVHandle(self.agent_name, result.request_id, result.num_prompt_tokens, result.first_token_id,
+                        result.block_ordinals, deadline, tokens_per_block, result.first_logprob)
 
     async def abort(self, request_id: str) -> bool:
         """Stop a prefill or drop a lease; its pages are freed either way."""
@@ -78,7 +72,7 @@ class ContextWorker(KVWorker):
 
     async def _free(self, request_id: str, why: str) -> None:
         if self.leases.end(request_id, why):
-            await self.loop.call(self.engine.release, request_id)
+            await self.loop.call(self.engine.abort, request_id)
 
     async def reap_expired(self) -> list[str]:
         expired = self.leases.expired()

@@ -14,6 +14,7 @@ import logging
 from typing import AsyncIterator, Callable
 
 from engine import LLMEngine, RequestUpdate, SamplingParams
+from engine.outputs import FinishReason, PrefillResult
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +51,37 @@ class EngineLoop:
                 queue.put_nowait(update)
         self._wakeup.set()
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False) -> AsyncIterator[RequestUpdate]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestUpdate]:
         """Add a request and yield its updates until it finishes; abort it if the consumer goes away."""
+        queue = await self._add(self.engine.add_request, request_id, prompt_token_ids, params)
+        async for update in self.stream(request_id, queue):
+            yield update
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+        """Prefill a prompt to its first token; the request stays parked with its pages until ``abort``.
+
+        Raises RuntimeError (with the engine's error text) if it fails or is aborted first.
+        """
+        queue = await self._add(self.engine.prefill, request_id, prompt_token_ids, params)
+        last = None
+        async for update in self.stream(request_id, queue):
+            last = update
+        if last is None or last.prefill is None:
+            why = (last.error or last.finish_reason) if last is not None else "no output"
+            raise RuntimeError(f"prefill of {request_id!r} failed: {why}")
+        return last.prefill
+
+    async def _add(self, add: Callable, request_id: str, prompt_token_ids: list[int],
+                   params: SamplingParams) -> asyncio.Queue[RequestUpdate]:
         queue = self.watch(request_id)
         try:
-            await self.call(self.engine.add_request, request_id, prompt_token_ids, params, prefill_only=prefill_only)
+            await self.call(add, request_id, prompt_token_ids, params)
         except Exception:
             self.unwatch(request_id)
             raise
         self._wakeup.set()
-        async for update in self.stream(request_id, queue):
-            yield update
+        return queue
 
     async def stream(self, request_id: str, queue: asyncio.Queue[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
         """Yield updates until the last; a consumer leaving early aborts the request."""
@@ -79,7 +100,7 @@ class EngineLoop:
         """Abort wherever the request is; a watcher gets a final ``abort`` update."""
         existed = await self.call(self.engine.abort, request_id)
         if request_id in self._queues:
-            self.deliver([RequestUpdate(request_id, [], "", 0, 0, finish_reason="abort")])
+            self.deliver([RequestUpdate(request_id, [], "", 0, 0, finish_reason=FinishReason.ABORT)])
         return existed
 
     async def _run(self) -> None:
@@ -102,6 +123,6 @@ class EngineLoop:
         for request in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
             self.engine.abort(request.request_id)
             updates.append(RequestUpdate(request.request_id, [], "", request.num_prompt_tokens,
-                                         request.num_output_tokens, finish_reason="error",
+                                         request.num_output_tokens, finish_reason=FinishReason.ERROR,
                                          error=f"engine step failed: {type(exc).__name__}: {exc}"))
         return updates

@@ -4,13 +4,15 @@ sampler, speculative drafter. No Ray here."""
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, PromptTooLongError
 from engine.llm import LLM
-from engine.outputs import RequestOutput, RequestUpdate, TokenLogprob
+from engine.outputs import FinishReason, PrefillResult, RequestOutput, RequestUpdate, TokenLogprob
 from engine.params import SamplingParams
 
 __all__ = [
     "LLM",
     "EngineConfig",
+    "FinishReason",
     "LLMEngine",
+    "PrefillResult",
     "PromptTooLongError",
     "RequestOutput",
     "RequestUpdate",

@@ -1,15 +1,21 @@
 """LLMEngine: the step-wise engine both workers drive.
 
-    add_request / add_prefilled ─┐
-                                 ▼
-    step(): Scheduler.schedule ─► ModelRunner.run ─► sample / verify ─► StopChecker
-                                 │                                        │
-                                 └──── KVCacheManager (pages, windows) ◄──┘  release_stale / free
+    add_request, prefill ──► Scheduler.add          reserve_prefilled + add_prefilled ──┐
+                                  │                                                     │
+    step():  Scheduler.schedule ─► ModelRunner.run ─► sample / verify ─► _advance ◄─────┘
+                    │                                                     │ StopChecker, then
+                    │                          finish: free │ park: keep │ run on: release_stale
+                    └───────────── KVCacheManager (pages, windows) ◄──────┘
 
-Two entry points serve disaggregation: ``add_request(..., prefill_only=True)``
-parks the request after its first token with its pages kept (``release``
-frees them), and ``reserve_prefilled`` + ``add_prefilled`` start a request
-whose prompt KV a transport has written into its pages.
+As nano-vllm's ``step``: schedule, run, postprocess; ``_advance`` is the one
+place a request ends, and ``abort`` the one way in from outside.
+
+Disaggregation has two entry points. The context side's ``prefill`` runs a
+prompt to its first token and parks it (``Scheduler.park``): its pages stay
+bound, and its last update carries a ``PrefillResult`` (first token, block
+ordinals); ``abort`` frees them once the KV has been sent or the lease lapsed.
+The generation side's ``reserve_prefilled`` + ``add_prefilled`` start a
+request whose prompt KV a transport has written into its pages.
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ import torch
 from engine.config import EngineConfig, max_model_len
 from engine.drafter import make_drafter
 from engine.layout import kv_cache_spec
-from engine.outputs import RequestUpdate, TokenLogprob
+from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogprob
 from engine.params import SamplingParams
-from engine.request import Request, Status
+from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
@@ -85,9 +91,17 @@ class LLMEngine:
         return self.drafter.propose(request.all_token_ids, max_len) if max_len > 0 else []
 
     # -- adding requests ---------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False) -> None:
-        request = self._new_request(request_id, prompt_token_ids, params, prefill_only)
-        self.scheduler.add(request)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request to run until it finishes; ``step`` reports its updates."""
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
+
+    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a prefill-only request: parked after its first token with its pages kept.
+
+        Its last update carries ``prefill`` (a ``PrefillResult``); ``abort``
+        frees its pages once they are no longer needed.
+        """
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, prefill_only=True))
 
     def reserve_prefilled(self, request_id: str, prompt_len: int) -> bool:
         """Bind pages for a prompt whose KV will arrive by transfer; False if the cache is full now."""
@@ -103,12 +117,13 @@ class LLMEngine:
         ``first_logprob``: the context side's logprob of ``first_token_id`` (with ``params.logprobs``)."""
         if self.manager.num_tokens(request_id) != len(prompt_token_ids):
             raise ValueError(f"request {request_id!r}: reserved {self.manager.num_tokens(request_id)} tokens, prompt has {len(prompt_token_ids)}")
-        request = self._new_request(request_id, prompt_token_ids, params, False)
+        request = self._new_request(request_id, prompt_token_ids, params)
         request.num_computed_tokens = len(prompt_token_ids)
         self.scheduler.add_running(request)
-        return [self._accept_tokens(request, [first_token_id], [first_logprob])]
+        return [self._advance(request, [first_token_id], [first_logprob])]
 
-    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_only: bool) -> Request:
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     prefill_only: bool = False) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
         self.check_prompt(len(prompt_token_ids))
@@ -134,21 +149,26 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestUpdate]:
+        """Schedule, run the model, postprocess: one update per request that sampled."""
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
         logits = self.runner.run(scheduled)
+        return self._postprocess(scheduled, logits)
+
+    def _postprocess(self, scheduled: list[ScheduledRequest], logits: list[torch.Tensor | None]) -> list[RequestUpdate]:
         updates = []
         for item, rows in zip(scheduled, logits):
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            if rows is not None:
-                updates.append(self._sample(item, rows))
-            if request.status == Status.RUNNING:
+            if rows is None:  # a prefill chunk short of the prompt's end: nothing to sample yet
                 self.manager.release_stale(request.request_id, request.num_computed_tokens)
+            else:
+                updates.append(self._advance(request, *self._sample(item, rows)))
         return updates
 
-    def _sample(self, item: ScheduledRequest, rows: torch.Tensor) -> RequestUpdate:
+    def _sample(self, item: ScheduledRequest, rows: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The tokens this step gives the request: one sampled, or the verified drafts plus one."""
         request = item.request
         if request.generator is not None:
             # Draws depend on (seed, output index) only: the same seeded request gives the
@@ -161,63 +181,77 @@ class LLMEngine:
             self.num_drafts_proposed += len(item.draft_token_ids)
             self.num_drafts_accepted += result.num_accepted
             request.num_computed_tokens += result.num_accepted
-            return self._accept_tokens(request, result.token_ids, result.logprobs)
+            return result.token_ids, result.logprobs
         result = self.sampler.sample(rows, [request.params], [request.generator])
-        return self._accept_tokens(request, result.token_ids, result.logprobs)
+        return result.token_ids, result.logprobs
 
-    def _accept_tokens(self, request: Request, token_ids: list[int], logprobs: list) -> RequestUpdate:
-        stopper = self._stoppers[request.request_id]
+    def _advance(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> RequestUpdate:
+        """Append sampled tokens, then finish, park or keep running the request.
+
+        The one place a request ends from inside: finish frees its pages, park
+        (prefill-only, after its first token) keeps them, and a request that
+        runs on releases the window pages no future query reads.
+        """
         before = request.num_output_tokens
-        reason = stopper.add_tokens(token_ids, logprobs)
-        if reason is None and request.prefill_only:
-            reason = "prefilled"
+        reason = self._stoppers[request.request_id].add_tokens(token_ids, logprobs)
         # Tokens computed past a stop are dropped: computed never exceeds the kept tokens.
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        if request.prefill_only:
+            self.scheduler.park(request)
+            return self._update(request, before, None, self._prefill_result(request, reason))
+        update = self._update(request, before, reason)
         if reason is not None:
-            self.scheduler.finish(request, reason)
-        return self._update(request, before, reason)
+            self._finish(request, reason)
+        else:
+            self.manager.release_stale(request.request_id, request.num_computed_tokens)
+        return update
 
-    def _update(self, request: Request, before: int, reason: str | None) -> RequestUpdate:
+    def _prefill_result(self, request: Request, reason: FinishReason | None) -> PrefillResult:
+        rid, manager = request.request_id, self.manager
+        return PrefillResult(
+            request_id=rid,
+            num_prompt_tokens=request.num_prompt_tokens,
+            first_token_id=request.output_token_ids[0],
+            first_logprob=request.output_logprobs[0],
+            block_ordinals={g.name: manager.get_block_ordinals(rid, g.name) for g in manager.spec.groups},
+            finish_reason=reason,
+        )
+
+    def _update(self, request: Request, before: int, reason: FinishReason | None,
+                prefill: PrefillResult | None = None) -> RequestUpdate:
         stopper = self._stoppers[request.request_id]
-        new_ids = request.output_token_ids[before:]
-        update = RequestUpdate(
+        return RequestUpdate(
             request_id=request.request_id,
-            new_token_ids=new_ids,
-            new_text=stopper.new_text(reason is not None),
+            new_token_ids=request.output_token_ids[before:],
+            new_text=stopper.new_text(reason is not None or prefill is not None),
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             finish_reason=reason,
             logprobs=request.output_logprobs[before:] if request.params.logprobs is not None else None,
             num_drafts_proposed=request.num_drafts_proposed,
             num_drafts_accepted=request.num_drafts_accepted,
+            prefill=prefill,
         )
-        if reason is not None and request.status == Status.FINISHED:
-            self._forget(request.request_id)
-        return update
 
     # -- ending ----------------------------------------------------------
     def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free its pages; False if it is unknown."""
+        """Stop a request wherever it is and free its pages; False if it is unknown.
+
+        Wherever: waiting, running, parked after its prefill, or only reserved
+        (``reserve_prefilled``) for a transfer that has not been added yet.
+        """
         request = self._requests.get(request_id)
-        if request is None:
-            existed = self.manager.has_request(request_id)
-            self.manager.free(request_id)  # reserved for a transfer that never started
-            return existed
-        request.prefill_only = False
-        self.scheduler.finish(request, "abort")
-        self._forget(request_id)
-        return True
+        if request is not None:
+            self._finish(request, FinishReason.ABORT)
+            return True
+        existed = self.manager.has_request(request_id)
+        self.manager.free(request_id)
+        return existed
 
-    def release(self, request_id: str) -> None:
-        """Free a parked prefill-only request's pages (its KV has been sent, or its lease lapsed)."""
-        self.abort(request_id)
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
-    def _forget(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        self._stoppers.pop(request_id, None)
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(request, reason)
+        self._requests.pop(request.request_id, None)
+        self._stoppers.pop(request.request_id, None)
 
     def stats(self) -> dict:
         return {

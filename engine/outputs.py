@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended; a ``str``, so ``== "stop"`` and JSON see the plain value.
+
+    ``STOP``: EOS, a stop token or a stop string. ``LENGTH``: ``max_tokens`` or
+    ``max_model_len``. ``ABORT``: cancelled. ``ERROR``: the engine failed it.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+    # A str-mixin Enum would print as "FinishReason.STOP"; enum.StrEnum fixes that only from Python 3.11.
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclass(frozen=True)
@@ -14,13 +35,33 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill-only request parked after its first token, its pages kept for a transfer.
+
+    ``block_ordinals[group]`` is the manager's table at parking time: entry
+    ``i`` is the page holding prompt positions ``[i*B, (i+1)*B)``, -1 where
+    none is bound. ``finish_reason`` is set when the first token already ends
+    the request (``STOP`` or ``LENGTH``): a caller may then finish it without
+    a generation worker, and must still ``abort`` it to free the pages.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    first_token_id: int
+    first_logprob: TokenLogprob | None
+    block_ordinals: dict[str, list[int]]
+    finish_reason: FinishReason | None = None
+
+
 @dataclass
 class RequestUpdate:
     """New output of one request since its previous update.
 
-    ``finish_reason`` is None while the request runs, then one of
-    ``"stop"`` (EOS, stop token or stop string), ``"length"`` (max_tokens or
-    max_model_len), ``"abort"`` (cancelled), ``"error"`` (``error`` says why).
+    ``finish_reason`` is None while the request runs, then a ``FinishReason``
+    (``error`` says why for ``ERROR``). A prefill-only request's last update
+    has ``prefill`` set instead: it is parked, not finished, and its
+    ``finish_reason`` stays None (see ``PrefillResult.finish_reason``).
     """
 
     request_id: str
@@ -28,15 +69,17 @@ class RequestUpdate:
     new_text: str
     num_prompt_tokens: int
     num_output_tokens: int
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0
+    prefill: PrefillResult | None = None
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_reason is not None
+        """No update follows this one: the request finished, or it is parked after its prefill."""
+        return self.finish_reason is not None or self.prefill is not None
 
 
 @dataclass
@@ -47,7 +90,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: list[TokenLogprob] | None = None
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0

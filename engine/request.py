@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.outputs import TokenLogprob
+from engine.outputs import FinishReason, TokenLogprob
 from engine.params import SamplingParams
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PARKED = "parked"  # prefill-only: first token sampled, pages kept for a transfer
+    PARKED = "parked"  # prefill-only: first token sampled, pages kept for a transfer until abort
     FINISHED = "finished"
 
 
@@ -40,7 +40,7 @@ class Request:
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0
     num_emitted_tokens: int = 0
@@ -66,11 +66,6 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def is_decoding(self) -> bool:
-        """Only the pending sampled token is left to compute."""
-        return self.num_output_tokens > 0 and self.num_uncomputed_tokens == 1
 
     @property
     def is_finished(self) -> bool:

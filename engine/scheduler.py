@@ -7,6 +7,9 @@ allow. Pages are taken through the manager's check-then-do calls; when a
 running request cannot grow, the newest running request is preempted (its
 pages freed, recomputed later from its tokens), so an accepted request is
 never dropped and the scheduler never catches a full cache.
+
+A request leaves by ``finish`` (pages freed) or, prefill-only, by ``park``
+(pages kept until the engine aborts it once its KV has been sent).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from engine.outputs import FinishReason
 from engine.request import Request, Status
 from kvcache import KVCacheManager
 
@@ -139,15 +143,21 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def finish(self, request: Request, reason: str) -> None:
-        """End a request; free its pages unless it is a prefill-only request parked for transfer."""
+    def park(self, request: Request) -> None:
+        """Take a prefill-only request out of running with its pages kept, for a transfer.
+
+        It leaves the scheduler's queues: nothing schedules it again, and only
+        ``finish`` (the engine's ``abort``) frees its pages.
+        """
+        self.running.remove(request)
+        request.status = Status.PARKED
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request wherever it is (waiting, running or parked) and free its pages."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.finish_reason = reason
-        if request.prefill_only and reason in ("stop", "length", "prefilled"):
-            request.status = Status.PARKED
-            return
         request.status = Status.FINISHED
         self.manager.free(request.request_id)

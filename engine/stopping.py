@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.outputs import FinishReason
 from engine.request import Request
 from engine.tokenizer import IncrementalDecoder
 
@@ -23,21 +24,21 @@ class StopChecker:
         self.hold_back = max((len(s) for s in request.params.stop), default=1) - 1
         self.is_cut = False
 
-    def add_tokens(self, token_ids: list[int], logprobs: list) -> str | None:
+    def add_tokens(self, token_ids: list[int], logprobs: list) -> FinishReason | None:
         """Append tokens one by one until one ends the request; return the finish reason or None."""
         request, params = self.request, self.request.params
         for token_id, logprob in zip(token_ids, logprobs):
             request.output_token_ids.append(token_id)
             request.output_logprobs.append(logprob)
             if not params.ignore_eos and token_id in self.eos_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if token_id in params.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
             request.text += self.decoder.push(token_id)
             if params.stop and self._cut_at_stop_string():
-                return "stop"
+                return FinishReason.STOP
             if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-                return "length"
+                return FinishReason.LENGTH
         return None
 
     def _cut_at_stop_string(self) -> bool:
