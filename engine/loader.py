@@ -104,48 +104,30 @@ def check_architecture(hf_config, registry: Mapping[str, type]) -> str:
     architectures = getattr(hf_config, "architectures", None) or []
     supported = ", ".join(sorted(registry)) or "none"
     if len(architectures) != 1:
-        raise ModelLoadError(f"config.json must name exactly one architecture, got {architectures}; "
+        raise ModelLoadError(f"the model config must name exactly one architecture, got {architectures}; "
                              f"supported: {supported}")
     if architectures[0] not in registry:
         raise ModelLoadError(f"unsupported architecture {architectures[0]!r}; supported: {supported}")
     return architectures[0]
 
 
-def _tied_names(model: nn.Module, provided: set[str]) -> set[str]:
-    """State-dict names whose tensor is the same storage as a provided one (tied embeddings)."""
-    tensors = model.state_dict(keep_vars=True)
-    provided_ptrs = {tensors[name].data_ptr() for name in provided if name in tensors and tensors[name].numel()}
-    return {name for name, t in tensors.items() if name not in provided and t.numel() and t.data_ptr() in provided_ptrs}
-
-
-def check_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raise ``ModelLoadError`` unless ``state_dict`` fits ``model`` exactly (names and shapes)."""
-    expected = model.state_dict(keep_vars=True)
-    provided = set(state_dict)
-    missing = set(expected) - provided - _tied_names(model, provided)
-    unexpected = provided - set(expected)
-    if missing:
-        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors the model needs: {_few(missing)}")
-    if unexpected:
-        raise ModelLoadError(f"checkpoint has {len(unexpected)} tensors the model lacks: {_few(unexpected)}")
-    for name in sorted(provided):
-        want, got = tuple(expected[name].shape), tuple(state_dict[name].shape)
-        if want != got:
-            raise ModelLoadError(f"tensor {name!r} has shape {got} in the checkpoint but {want} in the model")
-
-
 def load_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``state_dict`` into ``model`` (cast to each parameter's dtype and device) after checking it."""
-    check_state_dict(model, state_dict)
-    model.load_state_dict(state_dict, strict=False)  # tied names may be absent; check_state_dict vetted the rest
+    """Copy ``state_dict`` into ``model``, cast to each parameter's dtype and device.
+
+    ``strict=True``: every name and shape must fit. A tied tensor is stored
+    once in a checkpoint; the model itself says so (engine.models' decoders
+    have no ``lm_head`` when tied and drop a redundant copy on load).
+    """
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except RuntimeError as e:  # torch's message names the missing, unexpected and mis-shaped tensors
+        raise ModelLoadError(f"the checkpoint does not fit the model: {e}") from e
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
     """Build the engine's model for the directory's architecture and load its weights, in eval mode."""
-    from engine.models import MODEL_REGISTRY, build_model
+    from engine.models import build_model  # engine.models imports this module: import at call time
 
-    hf_config = load_config(path)
-    check_architecture(hf_config, MODEL_REGISTRY)
-    model = build_model(hf_config, dtype=dtype, device=device)
+    model = build_model(load_config(path), dtype=dtype, device=device)
     load_weights(model, load_state_dict(path))
     return model.eval()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.loader import check_architecture
 from engine.models.decoder import DecoderForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
@@ -22,19 +23,12 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
 }
 
 
-def architecture(hf_config) -> str:
-    names = getattr(hf_config, "architectures", None) or []
-    if len(names) != 1:
-        raise ValueError(f"config must name exactly one architecture, got {names}; supported: {sorted(MODEL_REGISTRY)}")
-    return names[0]
-
-
 def build_model(hf_config, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """Instantiate (uninitialised weights) the model for ``hf_config.architectures[0]`` in eval mode."""
-    name = architecture(hf_config)
-    if name not in MODEL_REGISTRY:
-        raise ValueError(f"unsupported architecture {name!r}; supported: {sorted(MODEL_REGISTRY)}")
-    model_cls = MODEL_REGISTRY[name]
+    """Instantiate (uninitialised weights) the model for ``hf_config.architectures[0]`` in eval mode.
+
+    Raises ``ModelLoadError`` (a ValueError) unless the config names exactly one registered architecture.
+    """
+    model_cls = MODEL_REGISTRY[check_architecture(hf_config, MODEL_REGISTRY)]
     with torch.device(device):
         model = model_cls(hf_config)
     _cast_parameters(model, dtype, model_cls.keep_in_float32)
