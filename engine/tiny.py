@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from engine.loader import ModelLoadError
+from engine.models import build_model
 
 TINY_MODEL_NAME = "windserve-tiny"
 TINY_MODEL_DIRNAME = "windserve-tiny-v1"
@@ -113,29 +114,14 @@ def tiny_config_dict() -> dict:
 
 
 def param_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of GptOssForCausalLM's state dict (a test checks them against transformers)."""
-    h, i, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes = {
-        "model.embed_tokens.weight": (cfg["vocab_size"], h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (cfg["vocab_size"], h),
-    }
-    for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.q_proj.bias": (q,),
-            p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (h, q), p + "self_attn.o_proj.bias": (h,),
-            p + "self_attn.sinks": (cfg["num_attention_heads"],),
-            p + "mlp.router.weight": (e, h), p + "mlp.router.bias": (e,),
-            p + "mlp.experts.gate_up_proj": (e, h, 2 * i), p + "mlp.experts.gate_up_proj_bias": (e, 2 * i),
-            p + "mlp.experts.down_proj": (e, i, h), p + "mlp.experts.down_proj_bias": (e, h),
-        })
-    return shapes
+    """Names and shapes of the engine's model for ``cfg``: ``transformers``' state-dict names.
+
+    Built on the meta device, so nothing is allocated; a test checks them against transformers.
+    """
+    from transformers import GptOssConfig
+
+    model = build_model(GptOssConfig(**cfg), device="meta")
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
 def _init_std(name: str, shape: tuple[int, ...]) -> float:
