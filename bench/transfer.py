@@ -49,7 +49,7 @@ from bench.common import (
     ainterleave, build_gptoss_model, median, parse_args, print_table, progress, ratio, start_ray, timed,
     write_json, write_plot,
 )
-from engine import EngineConfig, SamplingParams
+from engine import SamplingParams
 
 B, W, DRAFTS = 32, 128, 3
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES = 8, 8, 64, 4
@@ -264,8 +264,8 @@ def size_row(prompt_len: int, record, runs: dict[str, list], nbytes: int) -> dic
 # -- setup -------------------------------------------------------------------------------------
 
 def worker_config(path: str, num_pages: int, drafts: int = 0) -> WorkerConfig:
-    engine = EngineConfig(model=path, tokens_per_block=B, num_pages=num_pages, max_draft_len=drafts, device="cpu")
-    return WorkerConfig(engine=engine, transport="nixl")
+    return WorkerConfig(model=path, tokens_per_block=B, num_pages=num_pages, max_draft_len=drafts, device="cpu",
+                        transport="nixl")
 
 
 async def start(path: str, mode: dict) -> Bench:
