@@ -16,7 +16,8 @@ from ray.serve.schema import ServeDeploySchema
 from actors.config import WorkerConfig
 from app.config import API_KEY_ENV, AppConfig
 from app.serve_app import (
-    AggregatedDeployment, ContextDeployment, GenerationDeployment, Ingress, WorkerStats, build_app,
+    INGRESS_MAX_QUEUED_REQUESTS, AggregatedDeployment, ContextDeployment, GenerationDeployment, Ingress, WorkerStats,
+    build_app,
 )
 from engine.config import EngineConfig
 from engine.tiny import resolve_model_path
@@ -169,3 +170,12 @@ def test_api_key_comes_from_the_environment_when_unset(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV)
     assert AppConfig().api_key is None
     assert AppConfig(mode="aggregated", transport="local").transport == "local"
+
+
+def test_serve_bounds_the_proxy_queue_only_when_max_queue_asks_for_admission():
+    # serve.Application has no public view of its options; the bound deployment is the ingress.
+    limited = build_app({"mode": "aggregated", "transport": "local", "max_queue": 4})._bound_deployment
+    unlimited = build_app({"mode": "aggregated", "transport": "local"})._bound_deployment
+    assert limited.name == unlimited.name == "Ingress"
+    assert (limited.max_queued_requests, unlimited.max_queued_requests) == (INGRESS_MAX_QUEUED_REQUESTS, -1)
+    assert limited.max_ongoing_requests == unlimited.max_ongoing_requests  # the admission limit is max_queue's
