@@ -1,22 +1,27 @@
-"""Worker configuration: the engine's, plus transport and lease settings."""
+"""Worker configuration: an EngineConfig plus transport, lease and timeout settings.
+
+``WorkerConfig`` IS an ``EngineConfig`` (flat inheritance, each field declared
+once; see engine.config), so a worker hands its config to ``LLMEngine`` as is.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from engine import EngineConfig
+from engine.config import EngineConfig, check_at_least
 
 TRANSPORTS = ("nixl", "local")
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(EngineConfig):
     """``lease_s``: how long a context worker holds prefilled pages for a transfer.
     ``claim_s``: how long a claimed (in-transfer) lease may last.
-    ``reserve_timeout_s``: how long a generation worker waits for free pages,
-    extending the context side's lease meanwhile, before failing the request."""
+    ``transfer_timeout_s``: how long a generation worker waits for a claim reply
+    or a KV read. ``reserve_timeout_s``: how long a generation worker waits for
+    free pages, extending the context side's lease meanwhile, before failing the
+    request. ``torch_threads``: torch's intra-op threads in the worker's process."""
 
-    engine: EngineConfig = field(default_factory=EngineConfig)
     transport: str = "nixl"
     lease_s: float = 30.0
     claim_s: float = 60.0
@@ -25,8 +30,10 @@ class WorkerConfig:
     torch_threads: int = 1
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         for name in ("lease_s", "claim_s", "transfer_timeout_s", "reserve_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
+        check_at_least(self, ("torch_threads",), 1)

@@ -26,7 +26,7 @@ class EngineWorker:
     def __init__(self, config: WorkerConfig | None = None) -> None:
         self.config = config or WorkerConfig()
         torch.set_num_threads(self.config.torch_threads)
-        self.engine = LLMEngine(self.config.engine, role=self.role)
+        self.engine = LLMEngine(self.config, role=self.role)
         self.loop = EngineLoop(self.engine)
 
     async def abort(self, request_id: str) -> bool:

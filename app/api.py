@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API, built over any Backend (Ray-free).
 
-``build_api(backend, tokenizer)`` returns a FastAPI app with::
+``build_api(backend, tokenizer)`` (app.backend's protocols) returns a FastAPI app with::
 
     GET  /v1/models, /v1/models/{model}
     POST /v1/completions, /v1/chat/completions   (JSON, or SSE with "stream": true)
@@ -14,20 +14,17 @@ tests implement it in-process. Errors leave in OpenAI's shape (app.errors).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from app import routes_chat, routes_completions
+from app.backend import Backend, ServingTokenizer
 from app.errors import SERVER_ERROR, UnhandledErrorMiddleware, error_body, install_error_handlers
 from app.generation import ServingContext
 from app.metrics import ServingMetrics
 from app.middleware import AdmissionMiddleware, ApiKeyMiddleware, RequestMetricsMiddleware
-from engine.outputs import RequestUpdate
-from engine.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -35,46 +32,8 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 KNOWN_PATHS = GENERATION_PATHS | {"/health", "/metrics", "/v1/models"}
 
 
-class Backend(Protocol):
-    """Where requests are served; the HTTP layer's only view of the workers."""
-
-    model_name: str
-    max_model_len: int
-
-    def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestUpdate]:
-        """Updates of one request; the last has ``finish_reason`` set.
-
-        The backend applies stop strings, stop tokens and max_tokens itself,
-        and sends text already detokenized in ``new_text``.
-        """
-        ...
-
-    async def abort(self, request_id: str) -> None:
-        """Stop a request and free what it holds; unknown ids are no-ops."""
-        ...
-
-    async def check_health(self) -> None:
-        """Raises if the backend cannot serve."""
-        ...
-
-    async def stats(self) -> dict:
-        """Free-form worker stats; app.metrics documents the keys it reads."""
-        ...
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, token_ids: list[int]) -> str: ...
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Prompt token ids of the messages; ValueError if there is no template."""
-        ...
-
-
 def build_api(
-    backend: Backend, tokenizer: Tokenizer, *, api_key: str | None = None, max_queue: int | None = None
+    backend: Backend, tokenizer: ServingTokenizer, *, api_key: str | None = None, max_queue: int | None = None
 ) -> FastAPI:
     """A new app with its own metrics registry; see the module docstring.
 

@@ -1,7 +1,13 @@
 """The serving application's configuration: the ``args:`` of a Serve config, validated.
 
-    configs/*.yaml  applications[].args ──► AppConfig ──► WorkerConfig (actors)
-                                                     └──► EngineConfig (engine)
+    configs/*.yaml  applications[].args ──► AppConfig ──► to_worker_config() ──► the workers
+                                            (a WorkerConfig, an EngineConfig: engine.config)
+
+``AppConfig`` extends ``WorkerConfig`` with the HTTP layer's fields, so every
+engine and worker knob is settable from the YAML and declared once. pydantic
+validates the dataclass chain: types are checked (``"16"`` becomes 16,
+``"sixteen"`` is an error), unknown fields are errors, and the dataclasses'
+own checks (``__post_init__``) come back as a ``ValidationError``.
 
 Deployment placement (replicas, resources, autoscaling) is not here: Serve's
 own ``deployments:`` list overrides it by deployment name.
@@ -9,71 +15,64 @@ own ``deployments:`` list overrides it by deployment name.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, TypeAdapter, field_validator
+from pydantic.dataclasses import dataclass
 
 from actors.config import WorkerConfig
-from engine.config import EngineConfig, max_model_len
+from engine.config import check_at_least, max_model_len
 
 API_KEY_ENV = "WINDSERVE_API_KEY"
 
 
-class AppConfig(BaseModel):
-    """One windserve application. Unknown fields are errors, not ignored."""
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class AppConfig(WorkerConfig):
+    """One windserve application: a WorkerConfig plus what the HTTP layer needs.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    ``api_key``: required as ``Authorization: Bearer`` on every ``/v1`` route;
+    when unset (or None), read from $WINDSERVE_API_KEY. ``max_queue``: at most
+    this many generation requests in flight per ingress replica (app.middleware);
+    None admits everything.
+    """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
-    model: str = Field("windserve-tiny", min_length=1)
-    # engine.EngineConfig fields
-    tokens_per_block: int = Field(16, ge=1)
-    num_pages: int = Field(512, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(1024, ge=1)
-    max_model_len: int | None = Field(None, ge=2)
-    max_draft_len: int = Field(0, ge=0)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "auto"
-    # actors.config.WorkerConfig fields
-    transport: Literal["nixl", "local"] = "nixl"
-    lease_s: float = Field(30.0, gt=0)
-    # HTTP layer
-    api_key: str | None = None
-    max_queue: int | None = Field(None, ge=0)
+    api_key: str | None = Field(None, validate_default=True)
+    max_queue: int | None = None
 
-    @model_validator(mode="before")
+    @field_validator("api_key", mode="before")
     @classmethod
-    def _api_key_from_env(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("api_key") is None and os.environ.get(API_KEY_ENV):
-            return {**data, "api_key": os.environ[API_KEY_ENV]}
-        return data
+    def _api_key_from_env(cls, value: object) -> object:
+        return (os.environ.get(API_KEY_ENV) or None) if value is None else value
 
-    @model_validator(mode="after")
-    def _check(self) -> AppConfig:
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.mode == "disagg" and self.transport != "nixl":
             raise ValueError("mode 'disagg' moves KV between processes and needs transport 'nixl' "
                              f"('{self.transport}' works within one process only)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be non-empty (leave it unset to turn the check off)")
-        self.to_worker_config()  # EngineConfig's own checks (e.g. device) as validation errors
-        return self
+        if self.max_queue is not None:
+            check_at_least(self, ("max_queue",), 0)
 
-    def to_engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model, tokens_per_block=self.tokens_per_block, num_pages=self.num_pages,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, max_draft_len=self.max_draft_len,
-            dtype=self.dtype, device=self.device,
-        )
+    @classmethod
+    def model_validate(cls, args: dict[str, Any] | None) -> AppConfig:
+        """The config of a Serve config's ``args:`` (``pydantic.ValidationError`` if invalid)."""
+        return _ADAPTER.validate_python(args or {})
 
     def to_worker_config(self) -> WorkerConfig:
-        return WorkerConfig(engine=self.to_engine_config(), transport=self.transport, lease_s=self.lease_s)
+        """The workers' part: a plain WorkerConfig (the API key stays with the ingress)."""
+        return WorkerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerConfig)})
 
     def serving_max_model_len(self, model_path: str) -> int:
         """The longest prompt + output the workers accept (``engine.config.max_model_len``)."""
         from transformers import AutoConfig
 
         positions = AutoConfig.from_pretrained(model_path, local_files_only=True).max_position_embeddings
-        return max_model_len(self.to_engine_config(), positions, draft_len=self.max_draft_len)
+        return max_model_len(self, positions, draft_len=self.max_draft_len,
+                             num_extra_kv_tokens=self.num_extra_kv_tokens)
+
+
+_ADAPTER = TypeAdapter(AppConfig)

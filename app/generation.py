@@ -12,20 +12,18 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive
 
+from app.backend import Backend, ServingTokenizer
 from app.errors import bad_request, model_not_found
 from app.metrics import ServingMetrics
 from app.protocol import SamplingFields, clamp_max_tokens
 from engine.outputs import RequestUpdate
 from engine.params import SamplingParams
-
-if TYPE_CHECKING:
-    from app.api import Backend, Tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,7 +35,7 @@ class ServingContext:
     """What every route needs; one per app, never shared between apps."""
 
     backend: Backend
-    tokenizer: Tokenizer
+    tokenizer: ServingTokenizer
     metrics: ServingMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     # Abort tasks outlive the (possibly cancelled) request task; hold them until done.

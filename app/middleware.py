@@ -5,6 +5,26 @@ through untouched and "in flight" lasts until the last byte is sent (or the
 client leaves). Order, outermost first: RequestMetrics ->
 UnhandledError (app.errors) -> ApiKey -> Admission, so that rejected and
 failed requests are counted too.
+
+Why admission is here and not Serve's own ``max_queued_requests``. Tried on a
+real Serve (Ray 2.60; one replica, ``max_ongoing_requests=1``,
+``max_queued_requests=1``, four concurrent POSTs and a GET /health): two ran,
+and Serve answered the rest with 503, but
+
+- with a ``text/plain`` body ("Request dropped due to backpressure
+  (num_queued_requests=1, max_queued_requests=1)."), not OpenAI's error JSON
+  that SDKs and our clients read;
+- with ``Retry-After`` only when ``backpressure_config.retry_after_s`` is set,
+  an option of recent Rays only (none before it);
+- for every route alike: the /health probe sent during the burst got the same
+  503, so would a /metrics scrape;
+- it bounds a queue in front of busy replicas, and cannot be 0 ("must be -1
+  (no limit) or a positive integer"), so "turn away at once whatever is over
+  N in flight" cannot be said with it.
+
+Serve's limit is used where only it can act: the proxy's queue of requests
+waiting for a free ingress replica, which never reach this middleware
+(``app.serve_app.ingress_options``: bounded once ``max_queue`` is set).
 """
 
 from __future__ import annotations

@@ -45,7 +45,10 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 REPORT_PERIOD_S = 1.0
 STALE_AFTER_S = 5 * REPORT_PERIOD_S
-INGRESS_MAX_ONGOING_REQUESTS = 1024  # app.config's max_queue is the admission limit
+INGRESS_MAX_ONGOING_REQUESTS = 1024  # app.config's max_queue is the admission limit (app.middleware)
+# With max_queue set, Serve's own limit bounds the proxy's queue in front of a full ingress replica,
+# which the middleware cannot see; generous, so that the middleware's OpenAI-shaped 503 comes first.
+INGRESS_MAX_QUEUED_REQUESTS = 1024
 # Worker stats keys passed on to /metrics (app.metrics) and the router (app.routing).
 METRICS_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting", "num_cancelled",
                 "kv_transfer_bytes", "kv_transfer_seconds", "num_drafts_proposed", "num_drafts_accepted")
@@ -218,4 +221,13 @@ def build_app(args: dict | None = None) -> serve.Application:
         workers = {"context": worker(ContextDeployment), "generation": worker(GenerationDeployment)}
     else:
         workers = {"aggregated": worker(AggregatedDeployment)}
-    return Ingress.bind(config, board, **workers)
+    return Ingress.options(**ingress_options(config)).bind(config, board, **workers)
+
+
+def ingress_options(config: AppConfig) -> dict:
+    """Serve options of the ingress that follow from the config (a Serve config's
+    ``deployments:`` entry still overrides them): the proxy's queue is bounded once
+    ``max_queue`` asks for admission control, and left unbounded (Serve's -1) otherwise."""
+    if config.max_queue is None:
+        return {}
+    return {"max_queued_requests": INGRESS_MAX_QUEUED_REQUESTS}

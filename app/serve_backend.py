@@ -1,4 +1,4 @@
-"""app.api's Backend over Serve deployment handles.
+"""app.backend's Backend over Serve deployment handles.
 
     disagg:      kv = await context.prefill(request_id, prompt, params)
                  stream generation.generate(kv, prompt, params)

@@ -1,1 +1,1 @@
-"""Benchmarks: ``python -m bench.engine`` and ``python -m bench.transfer`` (see bench/README.md)."""
+"""Benchmarks: ``python -m bench.engine``, ``bench.transfer``, ``bench.serve`` and ``bench.soak`` (see bench/README.md)."""

@@ -8,6 +8,7 @@ noisy neighbour on a shared machine slows both alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -15,7 +16,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import torch
 
@@ -28,6 +29,18 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--out", default=os.path.join("bench", "out"), help="folder for <name>.json and <name>.png")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of each measurement (default: per mode)")
     return parser.parse_args(argv)
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """torch's intra-op threads while a benchmark runs, restored after: the setting is process-wide,
+    and a benchmark's ``main()`` may be called from a test or a notebook."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def progress(message: str) -> None:
@@ -150,19 +163,30 @@ def _cell(value) -> str:
     return f"{value:.2f}" if abs(value) >= 0.1 else f"{value:.3g}"
 
 
-def start_ray(attempts: int = 3) -> None:
-    """Ray waits a fixed 30 s for its node; a loaded machine can miss that, so retry."""
+def start_ray(attempts: int = 3, **init_kwargs) -> None:
+    """``ray.init(**init_kwargs)`` without the dashboard or driver logs; benchmarks and tests start Ray here.
+
+    Ray waits a fixed 30 s for its raylet to register; on a loaded machine that
+    can lapse although nothing is wrong, so that one failure is retried. A
+    failed start is shut down, unless Ray was already running in this process
+    before the call (then ``ray.init`` refuses, and the running Ray is left alone).
+    Pass ``address="local"`` for a new instance, never a cluster someone else started.
+    """
     import ray
 
+    init_kwargs = {"include_dashboard": False, "log_to_driver": False, **init_kwargs}
+    was_running = ray.is_initialized()
     for attempt in range(1, attempts + 1):
         try:
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+            ray.init(**init_kwargs)
             return
         except Exception as exc:  # Ray raises a bare Exception on a start-up timeout
-            ray.shutdown()
+            if not was_running:
+                ray.shutdown()
             if "timed out during startup" not in str(exc) or attempt == attempts:
                 raise
-            progress(f"Ray start-up timed out (attempt {attempt}); retrying")
+            progress(f"Ray start-up timed out (attempt {attempt} of {attempts}); retrying")
+            time.sleep(2)
 
 
 def build_gptoss_model(directory: str, **overrides) -> str:
@@ -178,8 +202,9 @@ def build_gptoss_model(directory: str, **overrides) -> str:
     cfg = {k: v for k, v in tiny_config_dict().items() if k not in ("architectures", "model_type", "dtype")}
     cfg.update(overrides)
     cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg["num_hidden_layers"])]
-    torch.manual_seed(0)
-    GptOssForCausalLM(GptOssConfig(**cfg)).save_pretrained(directory)
+    with torch.random.fork_rng(devices=[]):  # seeded weights; the caller's random state stays as it was
+        torch.manual_seed(0)
+        GptOssForCausalLM(GptOssConfig(**cfg)).save_pretrained(directory)
     tiny = ensure_tiny_model()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copy(os.path.join(tiny, name), directory)

@@ -29,7 +29,7 @@ import tempfile
 import torch
 
 from bench.common import (
-    build_gptoss_model, interleave, median, parse_args, print_table, progress, ratio, timed, timed_cpu,
+    build_gptoss_model, interleave, median, parse_args, print_table, progress, ratio, timed, timed_cpu, torch_threads,
     write_json, write_plot,
 )
 from engine import LLM, SamplingParams
@@ -274,29 +274,29 @@ def print_tables(throughput_rows: list[dict], specs: list[dict], floors: list[di
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(__doc__.splitlines()[0], argv)
-    torch.set_num_threads(1)
-    mode = MODES["quick" if args.quick else "full"]
-    reps, throughput_reps = args.reps or mode["reps"], args.reps or mode["throughput_reps"]
-    prompts = mixed_prompts(mode["num_prompts"], mode["lengths"])
-    tmp = tempfile.mkdtemp(prefix="windserve-bench-")
-    try:
-        paths = {"windserve-tiny": ensure_tiny_model()}
-        if "gptoss-mid" in mode["models"]:
-            paths["gptoss-mid"] = build_mid_model(os.path.join(tmp, "gptoss-mid"))
-        rows = [row for model in mode["models"] for row in throughput(model, paths[model], prompts, mode, throughput_reps)]
-        spec = [speculative(model, paths[model], mode, reps) for model in mode["models"]]
-        floors = [decode_floor(model, paths[model], mode, reps) for model in mode["models"]]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    figures = {"mode": "quick" if args.quick else "full", "reps": reps, "throughput_reps": throughput_reps,
-               "settings": dict(mode),
-               "throughput": rows, "speculative": spec, "decode_floor": floors}
-    progress(f"wrote {write_json(args.out, 'engine', figures)}")
-    plot = write_plot(args.out, "engine", lambda plt: draw(plt, rows, spec, floors))
-    if plot:
-        progress(f"wrote {plot}")
-    print_tables(rows, spec, floors)
-    return figures
+    with torch_threads(1):  # one torch thread, as the measurements assume; restored after
+        mode = MODES["quick" if args.quick else "full"]
+        reps, throughput_reps = args.reps or mode["reps"], args.reps or mode["throughput_reps"]
+        prompts = mixed_prompts(mode["num_prompts"], mode["lengths"])
+        tmp = tempfile.mkdtemp(prefix="windserve-bench-")
+        try:
+            paths = {"windserve-tiny": ensure_tiny_model()}
+            if "gptoss-mid" in mode["models"]:
+                paths["gptoss-mid"] = build_mid_model(os.path.join(tmp, "gptoss-mid"))
+            rows = [row for model in mode["models"] for row in throughput(model, paths[model], prompts, mode, throughput_reps)]
+            spec = [speculative(model, paths[model], mode, reps) for model in mode["models"]]
+            floors = [decode_floor(model, paths[model], mode, reps) for model in mode["models"]]
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        figures = {"mode": "quick" if args.quick else "full", "reps": reps, "throughput_reps": throughput_reps,
+                   "settings": dict(mode),
+                   "throughput": rows, "speculative": spec, "decode_floor": floors}
+        progress(f"wrote {write_json(args.out, 'engine', figures)}")
+        plot = write_plot(args.out, "engine", lambda plt: draw(plt, rows, spec, floors))
+        if plot:
+            progress(f"wrote {plot}")
+        print_tables(rows, spec, floors)
+        return figures
 
 
 if __name__ == "__main__":

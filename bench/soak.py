@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from bench.common import start_ray
+
 MODEL = "windserve-tiny"
 KINDS = ("short", "long", "stream", "chat", "cancel", "disconnect")
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 7
@@ -153,14 +155,14 @@ def main(argv: list[str] | None = None) -> None:
 
     config = {"mode": "disagg", "tokens_per_block": 8, "num_pages": 48, "max_num_seqs": 8,
               "max_num_batched_tokens": 64, "device": "cpu", "lease_s": 3.0, "max_queue": 16}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config), name="soak", route_prefix="/soak")
     url = f"http://127.0.0.1:{port}/soak"
+    start_ray(address="local", num_cpus=2)  # a new instance, never a cluster someone else started
     try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name="soak", route_prefix="/soak")
         asyncio.run(soak(url, None, 10, concurrency=args.concurrency))  # warm-up
         rss_before = {name: rss_kib(pid) for name, pid in worker_pids("soak").items()}
         result = asyncio.run(soak(url, None, args.minutes * 60, concurrency=args.concurrency, seed=1))

@@ -1,4 +1,15 @@
-"""Engine configuration: one frozen, validated dataclass."""
+"""Engine configuration: one frozen dataclass, validated in ``__post_init__``.
+
+The bottom of the config chain; each layer above extends the one below and
+declares only its own fields (every field is declared once)::
+
+    engine.config.EngineConfig        model, pages, batch limits, drafts, device, seed
+      └── actors.config.WorkerConfig  + transport, leases, timeouts, torch threads
+            └── app.config.AppConfig  + mode, api_key, max_queue (a Serve config's ``args:``)
+
+Messages say "must be greater than or equal to N", as pydantic's do, so a bad
+value reads the same whichever layer rejects it.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.drafter import make_drafter
 from kvcache import get_kv_capacity_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -18,6 +30,14 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def check_at_least(config: object, names: tuple[str, ...], minimum: float) -> None:
+    """ValueError naming the first of ``names`` whose value is below ``minimum``."""
+    for name in names:
+        value = getattr(config, name)
+        if value < minimum:
+            raise ValueError(f"{name} must be greater than or equal to {minimum}, got {value}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What one engine (one worker) runs, and how much it may hold.
@@ -25,8 +45,10 @@ class EngineConfig:
     ``num_pages`` is per layer group. ``max_num_batched_tokens`` is the token
     budget of one forward pass (prefill chunks are cut to fit it);
     ``max_num_seqs`` caps the requests in one batch. ``max_model_len`` (None =
-    the model's own limit) bounds prompt + output. ``num_extra_kv_tokens``
-    reserves KV slots per request beyond those the drafter declares.
+    the model's own limit) bounds prompt + output. ``drafter`` names the
+    speculative drafter used when ``max_draft_len`` > 0. ``num_extra_kv_tokens``
+    reserves KV slots per request beyond those the drafter declares. ``seed``
+    seeds the per-request samplers of requests that bring no seed.
     """
 
     model: str = "windserve-tiny"
@@ -43,19 +65,17 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be non-empty")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("tokens_per_block", "num_pages", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_extra_kv_tokens < 0:
-            raise ValueError(f"num_extra_kv_tokens must be >= 0, got {self.num_extra_kv_tokens}")
-        if self.max_draft_len < 0:
-            raise ValueError(f"max_draft_len must be >= 0, got {self.max_draft_len}")
+        check_at_least(self, ("tokens_per_block", "num_pages", "max_num_seqs", "max_num_batched_tokens"), 1)
+        check_at_least(self, ("num_extra_kv_tokens", "max_draft_len"), 0)
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+            raise ValueError(f"max_model_len must be greater than or equal to 2, got {self.max_model_len}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        make_drafter(self.drafter, max(1, self.max_draft_len))  # an unknown kind raises, naming the known ones
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -11,18 +11,17 @@ from actors.aggregated_worker import AggregatedWorker
 from actors.config import WorkerConfig
 from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
-from engine import EngineConfig, SamplingParams
+from engine import SamplingParams
 
 RemoteContext = ray.remote(num_cpus=0)(ContextWorker)
 RemoteGeneration = ray.remote(num_cpus=0)(GenerationWorker)
 RemoteAggregated = ray.remote(num_cpus=0)(AggregatedWorker)
 
 
-def worker_config(transport: str = "nixl", **engine) -> WorkerConfig:
-    engine.setdefault("tokens_per_block", 8)
-    engine.setdefault("device", "cpu")
-    worker = {key: engine.pop(key) for key in ("lease_s", "transfer_timeout_s", "reserve_timeout_s") if key in engine}
-    return WorkerConfig(engine=EngineConfig(**engine), transport=transport, **worker)
+def worker_config(transport: str = "nixl", **fields) -> WorkerConfig:
+    fields.setdefault("tokens_per_block", 8)
+    fields.setdefault("device", "cpu")
+    return WorkerConfig(transport=transport, **fields)
 
 
 def random_prompts(n: int, seed: int) -> list[list[int]]:

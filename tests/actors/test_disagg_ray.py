@@ -8,7 +8,7 @@ import time
 import pytest
 import ray
 
-from tests.ray_start import start_ray
+from bench.common import start_ray
 import torch
 
 from actors.leases import LeaseDenied

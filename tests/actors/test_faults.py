@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 
-from tests.ray_start import start_ray
+from bench.common import start_ray
 
 from engine import SamplingParams
 from tests.actors.disagg_helpers import RemoteContext, RemoteGeneration, disagg_request, worker_config

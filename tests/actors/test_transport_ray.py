@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from tests.ray_start import start_ray
+from bench.common import start_ray
 
 pytest.importorskip("nixl._api")
 

@@ -8,7 +8,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from tests.ray_start import start_ray
+from bench.common import start_ray
 
 from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -15,8 +16,11 @@ from ray.serve.schema import ServeDeploySchema
 from actors.config import WorkerConfig
 from app.config import API_KEY_ENV, AppConfig
 from app.serve_app import (
-    AggregatedDeployment, ContextDeployment, GenerationDeployment, Ingress, WorkerStats, build_app,
+    INGRESS_MAX_QUEUED_REQUESTS, AggregatedDeployment, ContextDeployment, GenerationDeployment, Ingress, WorkerStats,
+    build_app,
 )
+from engine.config import EngineConfig
+from engine.tiny import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -111,19 +115,48 @@ def test_app_config_maps_onto_the_worker_config():
                                        "max_draft_len": 2, "device": "cpu", "lease_s": 5})
     worker = config.to_worker_config()
     assert isinstance(worker, WorkerConfig) and (worker.transport, worker.lease_s) == ("nixl", 5)
-    engine = worker.engine
-    assert (engine.model, engine.tokens_per_block, engine.num_pages, engine.max_model_len, engine.max_draft_len,
-            engine.device) == ("windserve-tiny", 8, 64, 100, 2, "cpu")
+    assert (worker.model, worker.tokens_per_block, worker.num_pages, worker.max_model_len, worker.max_draft_len,
+            worker.device) == ("windserve-tiny", 8, 64, 100, 2, "cpu")
+
+
+def test_every_worker_and_engine_knob_is_reachable_from_the_args():
+    """Each field of the chain is declared once (engine, worker, app) and every one is settable."""
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)} - engine_fields
+    app_fields = {f.name for f in dataclasses.fields(AppConfig)} - engine_fields - worker_fields
+    assert app_fields == {"mode", "api_key", "max_queue"}
+    assert {"claim_s", "transfer_timeout_s", "reserve_timeout_s", "torch_threads"} <= worker_fields
+    assert {"drafter", "num_extra_kv_tokens", "seed"} <= engine_fields
+    args = {"drafter": "none", "num_extra_kv_tokens": 3, "seed": 7, "claim_s": 9, "transfer_timeout_s": 11,
+            "reserve_timeout_s": 13, "torch_threads": 2, "lease_s": 4}
+    worker = AppConfig.model_validate(args).to_worker_config()
+    assert type(worker) is WorkerConfig and "api_key" not in {f.name for f in dataclasses.fields(worker)}
+    assert {name: getattr(worker, name) for name in args} == args
+    assert isinstance(worker, EngineConfig)  # what LLMEngine takes
+
+
+def test_serving_max_model_len_counts_the_configured_scratch():
+    # windserve-tiny: 4096 positions; 16 pages of 8 tokens hold 128, less drafts and extra slots.
+    path = resolve_model_path("windserve-tiny")
+    config = AppConfig.model_validate({"tokens_per_block": 8, "num_pages": 16, "max_draft_len": 3,
+                                       "num_extra_kv_tokens": 2})
+    assert config.serving_max_model_len(path) == 128 - 3 - 2
+    assert AppConfig.model_validate({"max_model_len": 100}).serving_max_model_len(path) == 100
 
 
 @pytest.mark.parametrize("args, message", [
-    ({"modle": "x"}, "Extra inputs are not permitted"),
+    ({"modle": "x"}, "Unexpected keyword argument"),
     ({"mode": "both"}, "'disagg' or 'aggregated'"),
     ({"transport": "local"}, "needs transport 'nixl'"),
     ({"num_pages": 0}, "greater than or equal to 1"),
     ({"device": "tpu"}, "device must be"),
     ({"api_key": ""}, "api_key must be non-empty"),
     ({"max_queue": -1}, "greater than or equal to 0"),
+    ({"num_pages": "many"}, "Input should be a valid integer"),
+    ({"drafter": "eagle"}, "unknown drafter kind 'eagle'"),
+    ({"claim_s": 0}, "claim_s must be greater than 0"),
+    ({"torch_threads": 0}, "greater than or equal to 1"),
+    ({"dtype": "int8"}, "dtype must be one of"),
 ])
 def test_app_config_rejects_with_a_clear_error(args, message):
     with pytest.raises(ValidationError, match=re.escape(message)):
@@ -137,3 +170,12 @@ def test_api_key_comes_from_the_environment_when_unset(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV)
     assert AppConfig().api_key is None
     assert AppConfig(mode="aggregated", transport="local").transport == "local"
+
+
+def test_serve_bounds_the_proxy_queue_only_when_max_queue_asks_for_admission():
+    # serve.Application has no public view of its options; the bound deployment is the ingress.
+    limited = build_app({"mode": "aggregated", "transport": "local", "max_queue": 4})._bound_deployment
+    unlimited = build_app({"mode": "aggregated", "transport": "local"})._bound_deployment
+    assert limited.name == unlimited.name == "Ingress"
+    assert (limited.max_queued_requests, unlimited.max_queued_requests) == (INGRESS_MAX_QUEUED_REQUESTS, -1)
+    assert limited.max_ongoing_requests == unlimited.max_ongoing_requests  # the admission limit is max_queue's

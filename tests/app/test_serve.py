@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -18,13 +17,12 @@ import httpx
 import openai
 import pytest
 import ray
-
-from tests.ray_start import start_ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from app.routing import rank_replicas
 from app.serve_app import build_app
+from bench.common import start_ray
 from engine.tiny import resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client, wait_until

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from app.serve_app import build_app
+from bench.common import start_ray
 
 MODEL = "windserve-tiny"
 API_KEY = "reliability-key"
@@ -58,22 +59,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ray(num_tries: int = 2) -> None:
-    """A new local Ray instance; on a loaded machine the raylet may miss its 30 s start window once."""
-    for attempt in range(num_tries):
-        try:
-            # address="local": a new instance, never a cluster someone else started on this machine
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-            return
-        except Exception:
-            ray.shutdown()
-            if attempt == num_tries - 1:
-                raise
-
-
 @pytest.fixture(scope="package")
 def service() -> Iterator[Service]:
-    start_ray()
+    start_ray(address="local", num_cpus=2)  # a new instance, never a cluster someone else started
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(CONFIG), name=APP_NAME, route_prefix=f"/{APP_NAME}")
