@@ -9,7 +9,7 @@ generation side reserves 3 draft tokens (scratch that never travels).
 
 Per prompt length P (1k .. 32k tokens), measured side by side, reps interleaved:
 
-- bytes moved by ``GenerationWorker.receive_kv`` (its ``TransferRecord``) against
+- bytes moved by ``GenerationWorker.receive_kv`` (its ``ReadStats``) against
   the slice's minimum, computed here from P, W, B and the page size alone
   (must be exactly 1.00), and against a window-unaware transfer (every layer's
   whole prompt);
@@ -96,7 +96,6 @@ class SyntheticContextWorker(ContextWorker):
     """
 
     async def hold_synthetic(self, request_id: str, prompt_len: int):
-        self._start()
         return await self.loop.call(self._hold, request_id, prompt_len)
 
     def _hold(self, request_id: str, prompt_len: int):
@@ -173,7 +172,7 @@ class Bench:
         self.count = 0
 
     async def transfer(self, gen, prompt_len: int, real: bool = False, verify: bool = False) -> dict:
-        """One request's KV through ``receive_kv``: its TransferRecord plus the wall time the caller saw."""
+        """One request's KV through ``receive_kv``: its ReadStats plus the wall time the caller saw."""
         rid = f"{'real' if real else 'syn'}-{prompt_len}-{self.count}"
         self.count += 1
         if real:
@@ -277,6 +276,7 @@ async def start(path: str, mode: dict) -> Bench:
     frag = remote(BenchGenerationWorker).remote(worker_config(path, 2 * (-(-(frag_largest + DRAFTS) // B) + 2), DRAFTS))
     sizes = {f"p{p}": sum(min_slice_pages(p)) * PAGE_NBYTES for p in mode["sizes"]}
     src, dst = remote(BufferPeer).remote(sizes, 1), remote(BufferPeer).remote(sizes, 2)
+    await asyncio.gather(*(worker.start.remote() for worker in (ctx, gen, frag)))  # whoever creates one starts it
     await asyncio.gather(ctx.fill_random.remote(0), frag.fragment.remote(), gen.stats.remote())
     (src_name, src_meta), (dst_name, dst_meta) = await src.agent.remote(), await dst.agent.remote()
     await asyncio.gather(dst.connect.remote(src_name, src_meta), src.connect.remote(dst_name, dst_meta))
