@@ -207,7 +207,7 @@ def test_abort_while_waiting_for_pages_ends_the_handoff_and_frees_both_sides(ray
         await asyncio.sleep(0.5)
         assert not job.done(), job.exception()
         assert await gen.abort.remote("late")  # returns once the handoff is undone
-        with pytest.raises(Exception):
+        with pytest.raises(ray.exceptions.TaskCancelledError):  # the stream ends: its handoff was cancelled
             await asyncio.wait_for(job, 10)
         await gen.abort.remote("hog")
         await asyncio.sleep(0.3)  # the release notification reaches the context worker
