@@ -15,6 +15,5 @@ class AggregatedWorker(EngineWorker):
         return {**await super().stats(), "role": "aggregated"}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestUpdate]:
-        self.loop.start()
         async for update in self.loop.generate(request_id, prompt_token_ids, params):
             yield update

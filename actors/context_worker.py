@@ -4,19 +4,20 @@
                      ──► lease granted ──► KVHandle (ids, ordinals, lengths)
 
 A generation worker then, over control messages (``actors.control``):
-``claim`` (the lease must be live; it cannot expire under the transfer),
-pulls the pages itself, and ``release``s them; it may ``extend`` the lease
+``Claim`` (the lease must be live; it cannot expire under the transfer),
+pulls the pages itself, and ``Release``s them; it may ``Extend`` the lease
 while it waits for free pages. Leases that lapse are reaped: pages freed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from actors.config import WorkerConfig
 from actors.leases import LeaseTable
-from actors.messages import KVHandle
+from actors.messages import Claim, Extend, KVHandle, Release
 from actors.worker_base import KVWorker
 from engine import SamplingParams
 from engine.outputs import PrefillResult
@@ -30,20 +31,27 @@ class ContextWorker(KVWorker):
     def __init__(self, config: WorkerConfig | None = None) -> None:
         super().__init__(config)
         self.leases = LeaseTable(self.config.lease_s, self.config.claim_s)
-        self.control.on("claim", self._on_claim)
-        self.control.on("extend", self._on_extend)
-        self.control.on("release", self._on_release)
+        self.control.on(Claim, self._on_claim)
+        self.control.on(Extend, self._on_extend)
+        self.control.on(Release, self._on_release)
         self._reaper: asyncio.Task | None = None
 
-    def _start(self) -> None:
-        self.loop.start()
-        self.control.start()
+    async def start(self) -> None:
+        """Also reap lapsed leases."""
+        await super().start()
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
 
+    async def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        await super().shutdown()
+
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:
         """Prefill, sample the first token, and hold the prompt's pages under a lease."""
-        self._start()
         result = await self.loop.prefill(request_id, prompt_token_ids, params)
         return self._lease(result)  # no await in between: a cancellation cannot strand parked pages
 
@@ -58,16 +66,16 @@ class ContextWorker(KVWorker):
         self.leases.end(request_id, "aborted")
         return await super().abort(request_id)
 
-    async def _on_claim(self, peer: str, args: list[str]) -> str:
-        self.leases.claim(args[0])
+    async def _on_claim(self, peer: str, claim: Claim) -> str:
+        self.leases.claim(claim.request_id)
         return "claimed"
 
-    async def _on_extend(self, peer: str, args: list[str]) -> str:
-        self.leases.extend(args[0], float(args[1]))
+    async def _on_extend(self, peer: str, extend: Extend) -> str:
+        self.leases.extend(extend.request_id, extend.seconds)
         return "extended"
 
-    async def _on_release(self, peer: str, args: list[str]) -> str:
-        await self._free(args[0], "released after transfer")
+    async def _on_release(self, peer: str, release: Release) -> str:
+        await self._free(release.request_id, "released after transfer")
         return "released"
 
     async def _free(self, request_id: str, why: str) -> None:
@@ -87,5 +95,4 @@ class ContextWorker(KVWorker):
             await self.reap_expired()
 
     async def stats(self) -> dict:
-        self._start()
         return {**await super().stats(), "num_leases": len(self.leases)}

@@ -4,25 +4,38 @@ Serve replicas cannot be addressed one by one through a deployment handle,
 but their transport agents can: a generation worker reaches the context
 worker that holds a request's pages by the agent name in the KV handle.
 
-Wire format (UTF-8, ``|``-separated; request ids never contain ``|``)::
-
-    ask   : "ask|<msg_id>|<kind>|<arg>..."     one reply expected
-    tell  : "tell|-|<kind>|<arg>..."           no reply
-    reply : "re|<msg_id>|ok|<text>"  or  "re|<msg_id>|err|<text>"
+The messages are ``actors.messages``' typed ones (Claim, Extend, Release;
+Ok / Error replies), JSON-encoded by its one codec. An ask waits for its
+reply (or times out); a tell expects none. Nothing a peer sends stops the
+channel: a message that cannot be read is logged, and answered with an
+``Error`` when it was a readable ask; a handler's exception becomes an
+``Error`` reply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, TypeVar
 
+from actors.messages import (
+    BadMessage,
+    ControlMessage,
+    Envelope,
+    Error,
+    Mode,
+    Ok,
+    Reply,
+    decode,
+    encode,
+)
 from actors.peers import PeerDirectory
 from actors.transport import KVTransport
 
 log = logging.getLogger(__name__)
-Handler = Callable[[str, list[str]], Awaitable[str]]
+M = TypeVar("M", bound=ControlMessage)
 
 
 class ControlError(RuntimeError):
@@ -34,64 +47,97 @@ class ControlChannel:
         self.transport = transport
         self.peers = peers
         self.poll_s = poll_s
-        self._handlers: dict[str, Handler] = {}
-        self._pending: dict[str, asyncio.Future] = {}
+        self._handlers: dict[type, Callable[[str, ControlMessage], Awaitable[str]]] = {}
+        self._pending: dict[tuple[str, int], asyncio.Future[Reply]] = {}  # (peer, msg_id) -> its reply
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
 
-    def on(self, kind: str, handler: Handler) -> None:
-        """``handler(peer_name, args)`` answers an ask (its return value) or handles a tell."""
-        self._handlers[kind] = handler
+    def on(self, message_type: type[M], handler: Callable[[str, M], Awaitable[str]]) -> None:
+        """``handler(peer_name, message)`` handles one type; its return value is the Ok reply's text."""
+        self._handlers[message_type] = handler
 
     def start(self) -> None:
+        """Start receiving (on the running event loop)."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def ask(self, peer: str, kind: str, *args: str, timeout_s: float = 10.0) -> str:
-        msg_id = f"{self.transport.agent_name}:{next(self._ids)}"
+    async def stop(self) -> None:
+        """Stop receiving; asks still waiting fail now instead of timing out."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(ControlError(f"{self.transport.agent_name}: control channel stopped"))
+
+    async def ask(self, peer: str, message: ControlMessage, timeout_s: float = 10.0) -> str:
+        """Send ``message`` and wait for the reply: the Ok's text; ControlError on an Error or no answer."""
+        key = (peer, next(self._ids))
         future = asyncio.get_running_loop().create_future()
-        self._pending[msg_id] = future
+        self._pending[key] = future
         try:
-            self._send(peer, "ask", msg_id, kind, *args)
-            return await asyncio.wait_for(future, timeout_s)
+            self._send(peer, Envelope(Mode.ASK, message, key[1]))
+            reply = await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
-            raise ControlError(f"{peer} did not answer {kind!r} within {timeout_s:.1f}s") from None
+            what = type(message).__name__
+            raise ControlError(f"{peer} did not answer {what} within {timeout_s:.1f}s") from None
         finally:
-            self._pending.pop(msg_id, None)
+            self._pending.pop(key, None)
+        if isinstance(reply, Error):
+            raise ControlError(reply.text)
+        return reply.text
 
-    def tell(self, peer: str, kind: str, *args: str) -> None:
-        self._send(peer, "tell", "-", kind, *args)
+    def tell(self, peer: str, message: ControlMessage) -> None:
+        self._send(peer, Envelope(Mode.TELL, message))
 
-    def _send(self, peer: str, *fields: str) -> None:
-        if any("|" in f for f in fields):
-            raise ValueError(f"control message fields may not contain '|': {fields}")
+    def _send(self, peer: str, envelope: Envelope) -> None:
         self.peers.ensure_connected(peer)
-        self.transport.send_notif(peer, "|".join(fields).encode())
+        self.transport.send_notif(peer, encode(envelope))
 
     async def _run(self) -> None:
         while True:
             try:
-                for peer, raw in self.transport.get_notifs():
-                    await self._dispatch(peer, raw.decode(errors="replace").split("|"))
-            except Exception:  # a bad message or a gone peer must not stop the channel
-                log.exception("control channel")
+                arrived = self.transport.get_notifs()
+            except Exception:
+                log.exception("%s: reading control messages failed", self.transport.agent_name)
+                arrived = []
+            for peer, raw in arrived:
+                await self._receive(peer, raw)
             await asyncio.sleep(self.poll_s)
 
-    async def _dispatch(self, peer: str, fields: list[str]) -> None:
-        mode, msg_id, rest = fields[0], fields[1], fields[2:]
-        if mode == "re":
-            future = self._pending.get(msg_id)
-            if future is not None and not future.done():
-                status, text = rest[0], "|".join(rest[1:])
-                future.set_result(text) if status == "ok" else future.set_exception(ControlError(text))
+    async def _receive(self, peer: str, raw: bytes) -> None:
+        """Handle one message from ``peer``: resolve a reply, or run a handler and answer an ask."""
+        try:
+            envelope = decode(raw)
+        except BadMessage as bad:
+            log.warning("%s: unreadable control message from %s: %s", self.transport.agent_name, peer, bad)
+            if bad.reply_to is not None:
+                self._answer(peer, Envelope(Mode.REPLY, Error(str(bad)), bad.reply_to))
             return
-        handler = self._handlers.get(rest[0])
+        if envelope.mode is Mode.REPLY:
+            future = self._pending.get((peer, envelope.msg_id))
+            if future is not None and not future.done():
+                future.set_result(envelope.message)
+            return
+        reply = await self._handle(peer, envelope.message)
+        if envelope.mode is Mode.ASK:
+            self._answer(peer, Envelope(Mode.REPLY, reply, envelope.msg_id))
+        elif isinstance(reply, Error):
+            log.debug("%s: %s from %s failed: %s", self.transport.agent_name, envelope.message, peer, reply.text)
+
+    async def _handle(self, peer: str, message: ControlMessage) -> Reply:
+        handler = self._handlers.get(type(message))
         if handler is None:
-            status, text = "err", f"unknown control message {rest[0]!r}"
-        else:
-            try:
-                status, text = "ok", await handler(peer, rest[1:])
-            except Exception as exc:
-                status, text = "err", str(exc)
-        if mode == "ask":
-            self._send(peer, "re", msg_id, status, text.replace("|", "/"))
+            return Error(f"{self.transport.agent_name} does not handle {type(message).__name__}")
+        try:
+            return Ok(await handler(peer, message))
+        except Exception as exc:
+            return Error(str(exc) or type(exc).__name__)
+
+    def _answer(self, peer: str, envelope: Envelope) -> None:
+        try:
+            self._send(peer, envelope)
+        except Exception:  # the asker is gone; its ask times out on its side
+            log.warning("%s: cannot reply to %s", self.transport.agent_name, peer, exc_info=True)

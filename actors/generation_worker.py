@@ -1,24 +1,28 @@
 """Generation (decode) worker: receives a prompt's windowed KV slice and decodes.
 
     generate(handle) ─► reserve capacity (get_kv_capacity_tokens, via the engine)
-                     ─► claim the context lease ─► plan_slice per group ─► coalesce
-                     ─► transport.read (pull) ─► release the context pages
-                     ─► decode with continuous batching + drafts, streaming updates
+                     ─► Claim the context lease ─► plan_slice per group ─► coalesce
+                     ─► transport.read (pull) ─► Release the context pages
+                     ─► add to the engine ─► decode with continuous batching + drafts, streaming updates
 
-Any failure or abort before decoding frees the reserved pages here and
-releases the context side's; a read in flight is waited for before our
-pages are freed, so it can never land in another request's pages.
+Everything before decoding is the request's *handoff*, with one cleanup: on
+any failure or cancel (an ``abort`` of a request in handoff cancels it), a
+read in flight is waited for, then our pages are freed and the context side
+is told to release its own; so a read can never land in pages another
+request was given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from actors.config import WorkerConfig
-from actors.messages import KVHandle, TransferRecord
-from actors.transport import PageRun, coalesce
+from actors.messages import Claim, Extend, KVHandle, Release
+from actors.transport import PageRun, ReadStats, coalesce
 from actors.worker_base import KVWorker
 from engine import RequestUpdate, SamplingParams
 from kvcache import plan_slice
@@ -28,63 +32,92 @@ class TransferFailed(RuntimeError):
     """The prompt's KV could not be brought over; the request fails, nothing leaks."""
 
 
+@dataclass
+class Handoff:
+    """One request's KV on its way here: the task bringing it, and its read once posted."""
+
+    task: asyncio.Task
+    read: asyncio.Future[ReadStats] | None = None
+    over: asyncio.Event = field(default_factory=asyncio.Event)  # set once it succeeded or was undone
+
+
 class GenerationWorker(KVWorker):
     role = "generation"
 
     def __init__(self, config: WorkerConfig | None = None) -> None:
         super().__init__(config)
-        self.transfers: list[TransferRecord] = []
-        self.num_transfers = 0
-        self.total_kv_bytes = 0
-        self.total_kv_seconds = 0.0
+        self._handoffs: dict[str, Handoff] = {}
 
-    async def generate(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestUpdate]:
-        """Bring the prompt's KV over, then stream the request's updates."""
-        self.loop.start()
-        self.control.start()
+    async def generate(self, handle: KVHandle, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestUpdate]:
+        """reserve ─► claim ─► pull ─► release ─► add ─► stream the request's updates."""
         rid = handle.request_id
-        queue = await self._receive(handle, prompt_token_ids, params)
+        async with self._handoff(handle) as handoff:
+            if len(prompt_token_ids) != handle.prompt_len:
+                raise TransferFailed(f"request {rid!r}: handle says {handle.prompt_len} prompt tokens, "
+                                     f"got {len(prompt_token_ids)}")
+            await self._transfer(handoff, handle)  # reserve, claim, pull, release
+            queue = self.loop.watch(rid)
+            updates = await self.loop.call(self.engine.add_prefilled, rid, prompt_token_ids, handle.first_token_id,
+                                           params, handle.first_logprob)
+        self.loop.deliver(updates)
         async for update in self.loop.stream(rid, queue):
             yield update
 
-    async def _receive(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams):
+    async def receive_kv(self, handle: KVHandle) -> ReadStats:
+        """The handoff without decoding (tests, benchmarks): the pages stay bound, ``abort`` frees them."""
+        async with self._handoff(handle) as handoff:
+            return await self._transfer(handoff, handle)
+
+    async def abort(self, request_id: str) -> bool:
+        """A request in handoff is cancelled (its cleanup frees the pages once no read is in flight)."""
+        handoff = self._handoffs.get(request_id)
+        if handoff is None:
+            return await super().abort(request_id)
+        handoff.task.cancel()
+        await handoff.over.wait()
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _handoff(self, handle: KVHandle) -> AsyncIterator[Handoff]:
+        """The one cleanup of a handoff, shielded so a second cancel cannot skip it."""
         rid = handle.request_id
-        if len(prompt_token_ids) != handle.prompt_len:
-            raise TransferFailed(f"request {rid!r}: handle says {handle.prompt_len} prompt tokens, got {len(prompt_token_ids)}")
-        await self.receive_kv(handle)
-        queue = self.loop.watch(rid)
+        if rid in self._handoffs:
+            raise TransferFailed(f"request {rid!r} is already being received")
+        handoff = self._handoffs[rid] = Handoff(asyncio.current_task())
         try:
-            updates = await self.loop.call(self.engine.add_prefilled, rid, prompt_token_ids, handle.first_token_id, params,
-                                          handle.first_logprob)
+            yield handoff
         except BaseException:
-            self.loop.unwatch(rid)
-            await self.loop.call(self.engine.abort, rid)
+            await asyncio.shield(self._undo(handoff, handle))
             raise
-        self.loop.deliver(updates)
-        return queue
+        self._end(rid)
 
-    async def receive_kv(self, handle: KVHandle) -> TransferRecord:
-        """Reserve pages, claim the lease, pull the slice, release the context side.
-
-        The pages stay bound to the request (``abort`` frees them); ``generate``
-        continues from here. On any failure both sides' pages are freed.
-        """
-        self.control.start()
-        await self.loop.call(self.engine.check_prompt, handle.prompt_len)
+    async def _undo(self, handoff: Handoff, handle: KVHandle) -> None:
         try:
-            await self._reserve(handle)
-            await self.control.ask(handle.context_agent, "claim", handle.request_id, timeout_s=self.config.transfer_timeout_s)
-            record = await self._pull(handle)
-        except BaseException:
+            if handoff.read is not None:
+                await asyncio.wait([handoff.read])  # our pages stay bound until the read is over
+            self.loop.unwatch(handle.request_id)
             await self.loop.call(self.engine.abort, handle.request_id)
             self._release_context(handle)
-            raise
+        finally:
+            self._end(handle.request_id)
+
+    def _end(self, request_id: str) -> None:
+        self._handoffs.pop(request_id).over.set()
+
+    async def _transfer(self, handoff: Handoff, handle: KVHandle) -> ReadStats:
+        """reserve ─► claim ─► pull ─► release."""
+        await self.loop.call(self.engine.check_prompt, handle.prompt_len)
+        await self._reserve(handle)
+        await self.control.ask(handle.context_agent, Claim(handle.request_id),
+                               timeout_s=self.config.transfer_timeout_s)
+        stats = await self._pull(handoff, handle)
         self._release_context(handle)
-        return record
+        return stats
 
     def _release_context(self, handle: KVHandle) -> None:
         try:
-            self.control.tell(handle.context_agent, "release", handle.request_id)
+            self.control.tell(handle.context_agent, Release(handle.request_id))
         except Exception:
             pass  # the context worker is gone; its pages went with it
 
@@ -94,50 +127,37 @@ class GenerationWorker(KVWorker):
         while not await self.loop.call(self.engine.reserve_prefilled, handle.request_id, handle.prompt_len):
             if time.monotonic() > deadline:
                 raise TransferFailed(f"no free KV pages for request {handle.request_id!r} within {self.config.reserve_timeout_s}s")
-            self.control.tell(handle.context_agent, "extend", handle.request_id, str(self.config.lease_s))
+            self.control.tell(handle.context_agent, Extend(handle.request_id, self.config.lease_s))
             await asyncio.sleep(0.05)
 
-    def plan(self, handle: KVHandle) -> tuple[list[PageRun], int, int]:
-        """Coalesced runs of the windowed slice, the number of pages and the slice's bytes."""
+    def _plan(self, handle: KVHandle) -> tuple[list[PageRun], int]:
+        """Coalesced runs of the windowed slice, and the slice's bytes."""
         manager = self.engine.manager
-        runs, num_pages, num_bytes = [], 0, 0
+        runs, num_bytes = [], 0
         for group in manager.spec.groups:
             pairs = plan_slice(handle.block_ordinals[group.name], manager.get_block_ordinals(handle.request_id, group.name),
                                handle.prompt_len, group.window, manager.spec.tokens_per_block)
             runs += coalesce([(src, dst) for _, src, dst in pairs], group.name)
-            num_pages += len(pairs)
             num_bytes += len(pairs) * manager.storage.page_nbytes(group.name)
-        return runs, num_pages, num_bytes
+        return runs, num_bytes
 
-    async def _pull(self, handle: KVHandle) -> TransferRecord:
-        runs, num_pages, num_bytes = await self.loop.call(self.plan, handle)
-        start = time.perf_counter()
-        read = asyncio.ensure_future(asyncio.to_thread(self._read, handle.context_agent, runs))
-        try:
-            moved = await asyncio.shield(read)
-        except asyncio.CancelledError:
-            await asyncio.wait([read])  # our pages stay bound until the read is over
-            raise
-        if moved != num_bytes:
-            raise TransferFailed(f"request {handle.request_id!r}: moved {moved} bytes, the slice has {num_bytes}")
-        record = TransferRecord(handle.request_id, num_pages, len(runs), moved, time.perf_counter() - start)
-        self.transfers.append(record)
-        del self.transfers[:-1000]
-        self.num_transfers += 1
-        self.total_kv_bytes += record.num_bytes
-        self.total_kv_seconds += record.seconds
-        return record
+    async def _pull(self, handoff: Handoff, handle: KVHandle) -> ReadStats:
+        runs, num_bytes = await self.loop.call(self._plan, handle)
+        handoff.read = asyncio.ensure_future(asyncio.to_thread(self._read, handle.context_agent, runs))
+        stats = await asyncio.shield(handoff.read)  # a cancel leaves the read running; _undo waits for it
+        if stats.num_bytes != num_bytes:
+            raise TransferFailed(f"request {handle.request_id!r}: moved {stats.num_bytes} bytes, "
+                                 f"the slice has {num_bytes}")
+        return stats
 
-    def _read(self, peer: str, runs: list[PageRun]) -> int:
+    def _read(self, peer: str, runs: list[PageRun]) -> ReadStats:
         self.peers.ensure_connected(peer)
-        return self.transport.read(peer, runs, self.config.transfer_timeout_s) if runs else 0
+        return self.transport.read(peer, runs, self.config.transfer_timeout_s)
 
     async def stats(self) -> dict:
-        return {**await super().stats(), "kv_transfers": self.num_transfers, "kv_transfer_bytes": self.total_kv_bytes,
-                "kv_transfer_seconds": self.total_kv_seconds}
-
-    async def last_transfer(self) -> TransferRecord | None:
-        return self.transfers[-1] if self.transfers else None
+        total = self.transport.total
+        return {**await super().stats(), "kv_transfers": total.num_reads,
+                "kv_transfer_bytes": total.num_bytes, "kv_transfer_seconds": total.seconds}
 
     async def block_ordinals(self, request_id: str) -> dict[str, list[int]]:
         manager = self.engine.manager

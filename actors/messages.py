@@ -1,7 +1,25 @@
-"""Small typed messages between workers. No KV data crosses the control plane."""
+"""Small typed messages between workers, and the one codec of the control messages.
+
+No KV data crosses the control plane. ``KVHandle`` travels over Ray (Serve
+handles pickle it); the control messages travel between transport agents
+(``actors.control``) as JSON, one object per message::
+
+    {"mode": "ask",   "id": 7,    "type": "Claim", "body": {"request_id": "r|1"}}
+    {"mode": "reply", "id": 7,    "type": "Error", "body": {"text": "... expired ..."}}
+    {"mode": "tell",  "id": null, "type": "Extend", "body": {"request_id": "r|1", "seconds": 30.0}}
+
+``type`` names a class of ``CONTROL_MESSAGES``; ``body`` is its fields. A
+peer may send anything, so ``decode`` checks every field and raises
+``BadMessage``, which keeps the id of an ask when it could be read so the
+sender still gets an ``Error`` reply.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import json
+import math
 from dataclasses import dataclass
 
 from engine.outputs import TokenLogprob
@@ -31,12 +49,137 @@ class KVHandle:
             raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
 
 
+# -- control messages -------------------------------------------------------------------------
+
+def _check(is_valid: bool, what: str) -> None:
+    if not is_valid:
+        raise ValueError(what)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
-class TransferRecord:
-    """What one request's KV transfer moved: reported to metrics and tests."""
+class RequestMessage:
+    """A message about one request's pages on the context worker."""
 
     request_id: str
-    num_pages: int
-    num_descriptors: int
-    num_bytes: int
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.request_id, str) and self.request_id != "",
+               f"request_id must be a non-empty string, got {self.request_id!r}")
+
+
+@dataclass(frozen=True)
+class Claim(RequestMessage):
+    """Ask: hold the pages for a transfer; the lease must be live, and cannot expire under it."""
+
+
+@dataclass(frozen=True)
+class Extend(RequestMessage):
+    """Tell: keep the lease at least ``seconds`` longer (the generation side waits for free pages)."""
+
     seconds: float
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(isinstance(self.seconds, (int, float)) and not isinstance(self.seconds, bool)
+               and math.isfinite(self.seconds) and self.seconds > 0,
+               f"seconds must be a finite number > 0, got {self.seconds!r}")
+
+
+@dataclass(frozen=True)
+class Release(RequestMessage):
+    """Tell: the transfer is over (or failed); free the pages."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What an ask gets back; ``text`` says what was done, or why not."""
+
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.text, str), f"text must be a string, got {self.text!r}")
+
+
+@dataclass(frozen=True)
+class Ok(Reply):
+    """Reply: the ask was done."""
+
+
+@dataclass(frozen=True)
+class Error(Reply):
+    """Reply: the ask failed, or could not be read."""
+
+
+ControlMessage = Claim | Extend | Release | Ok | Error
+CONTROL_MESSAGES: dict[str, type[ControlMessage]] = {
+    cls.__name__: cls for cls in (Claim, Extend, Release, Ok, Error)}
+
+
+class Mode(str, enum.Enum):
+    ASK = "ask"      # one reply expected, matched by id
+    TELL = "tell"    # no reply
+    REPLY = "reply"  # answers the ask with the same id
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A control message on the wire: ``msg_id`` (an int, unique per sender) on asks and
+    their replies, None on tells; replies carry Ok or Error, asks and tells never do."""
+
+    mode: Mode
+    message: ControlMessage
+    msg_id: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.mode, Mode), f"mode must be a Mode, got {self.mode!r}")
+        _check(type(self.message) in CONTROL_MESSAGES.values(), f"not a control message: {self.message!r}")
+        _check(isinstance(self.message, Reply) == (self.mode is Mode.REPLY),
+               f"a {self.mode.value} cannot carry {type(self.message).__name__}")
+        if self.mode is Mode.TELL:
+            _check(self.msg_id is None, f"a tell needs no id, got {self.msg_id!r}")
+        else:
+            _check(_is_int(self.msg_id), f"a {self.mode.value} needs an int id, got {self.msg_id!r}")
+
+
+class BadMessage(ValueError):
+    """A control message that cannot be read; ``reply_to`` is its id when it was a readable ask."""
+
+    def __init__(self, why: str, reply_to: int | None = None) -> None:
+        super().__init__(why)
+        self.reply_to = reply_to
+
+
+def encode(envelope: Envelope) -> bytes:
+    message = envelope.message
+    wire = {"mode": envelope.mode.value, "id": envelope.msg_id, "type": type(message).__name__,
+            "body": dataclasses.asdict(message)}
+    return json.dumps(wire).encode()
+
+
+def decode(raw: bytes) -> Envelope:
+    """The envelope in ``raw``; BadMessage if it is not one (JSON, known type, valid fields)."""
+    try:
+        wire = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BadMessage(f"control message is not JSON: {e}") from None
+    if not isinstance(wire, dict):
+        raise BadMessage(f"control message is not a JSON object: {wire!r}")
+    msg_id = wire.get("id")
+    is_ask = wire.get("mode") == Mode.ASK.value and _is_int(msg_id)
+    try:
+        return Envelope(Mode(wire.get("mode")), _message(wire.get("type"), wire.get("body")), msg_id)
+    except (TypeError, ValueError) as e:
+        raise BadMessage(f"bad control message: {e}", msg_id if is_ask else None) from None
+
+
+def _message(type_name: object, body: object) -> ControlMessage:
+    cls = CONTROL_MESSAGES.get(type_name) if isinstance(type_name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown control message type {type_name!r}")
+    if not isinstance(body, dict):
+        raise ValueError(f"the body of {type_name} must be a JSON object, got {body!r}")
+    return cls(**body)

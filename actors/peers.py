@@ -57,6 +57,14 @@ def _show(fields: dict, field: str) -> str:
     return repr(fields[field]) if field in fields else "<absent>"
 
 
+def lookup(peer_name: str) -> dict:
+    """The record ``peer_name`` published (``compat``, ``transport``); PeerNotFoundError if none."""
+    raw = _internal_kv_get(_key(peer_name), namespace=NAMESPACE)
+    if raw is None:
+        raise PeerNotFoundError(f"no KV peer {peer_name!r} published in namespace {NAMESPACE!r}")
+    return json.loads(raw)
+
+
 class PeerDirectory:
     """Publishes our transport; connects our transport to peers on demand, once each."""
 
@@ -74,6 +82,7 @@ class PeerDirectory:
                          overwrite=True, namespace=NAMESPACE)
 
     def unpublish(self) -> None:
+        """Remove our record: peers that have not connected yet can no longer find us."""
         _internal_kv_del(_key(self.transport.agent_name), namespace=NAMESPACE)
 
     def is_connected(self, peer_name: str) -> bool:
@@ -87,10 +96,7 @@ class PeerDirectory:
         """
         if peer_name in self._connected:
             return
-        raw = _internal_kv_get(_key(peer_name), namespace=NAMESPACE)
-        if raw is None:
-            raise PeerNotFoundError(f"no KV peer {peer_name!r} published in namespace {NAMESPACE!r}")
-        record = json.loads(raw)
+        record = lookup(peer_name)
         differences = compat_differences(self.compat, record["compat"])
         if differences:
             raise PeerMismatchError(f"KV peer {peer_name!r} is incompatible: " + "; ".join(differences))

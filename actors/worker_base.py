@@ -5,6 +5,14 @@
       └── KVWorker          + transport (pages registered once), peer directory, control channel
             ├── ContextWorker
             └── GenerationWorker
+
+Lifecycle: whoever creates a worker awaits ``start()`` once, on the event
+loop that will serve it (the Serve replica's async ``__init__``, or a test's
+Ray actor right after creation), and ``shutdown()`` when done with it::
+
+               EngineWorker      KVWorker                                        ContextWorker
+    start      the engine loop   + publish, control channel                      + lease reaper
+    shutdown   (nothing)         - control channel, unpublish, close transport   - reaper
 """
 
 from __future__ import annotations
@@ -29,6 +37,13 @@ class EngineWorker:
         self.engine = LLMEngine(self.config, role=self.role)
         self.loop = EngineLoop(self.engine)
 
+    async def start(self) -> None:
+        """Start stepping the engine (a task on the running event loop)."""
+        self.loop.start()
+
+    async def shutdown(self) -> None:
+        """Nothing to give back here: the engine loop holds only this process's memory."""
+
     async def abort(self, request_id: str) -> bool:
         """Stop the request wherever it is; its pages are freed."""
         return await self.loop.abort(request_id)
@@ -51,8 +66,29 @@ class KVWorker(EngineWorker):
         self.transport = make_transport(self.config.transport, unique_agent_name(self.role))
         self.transport.register(self.engine.manager.storage.tensors)
         self.peers = PeerDirectory(self.transport, compat_descriptor(self.engine))
-        self.peers.publish()
         self.control = ControlChannel(self.transport, self.peers)
+
+    async def start(self) -> None:
+        """Also publish our transport and answer control messages.
+
+        Publishing here, not at construction, keeps a peer from finding a
+        worker that could not yet answer its claim.
+        """
+        await super().start()
+        self.peers.publish()
+        self.control.start()
+
+    async def shutdown(self) -> None:
+        """Stop answering, unpublish (no peer finds a stale record), close the transport.
+
+        Call it once no transfer of ours is in flight (Serve drains a
+        replica's requests before its ``__del__``): closing deregisters the
+        page memory a read would land in.
+        """
+        await self.control.stop()
+        self.peers.unpublish()
+        self.transport.close()
+        await super().shutdown()
 
     @property
     def agent_name(self) -> str:

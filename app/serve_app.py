@@ -33,6 +33,7 @@ from actors.config import WorkerConfig
 from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
 from actors.messages import KVHandle
+from actors.worker_base import EngineWorker
 from app.api import build_api
 from app.config import AppConfig
 from app.routing import ROUTER_PATH
@@ -85,9 +86,16 @@ class WorkerStats:
 
 
 class WorkerReplica:
-    """What every worker deployment shares: abort, stats (pushed to WorkerStats), ping."""
+    """What every worker deployment shares: abort, stats (pushed to WorkerStats), ping.
 
-    def __init__(self, role: str, worker, board: DeploymentHandle) -> None:
+    Lifecycle: Serve awaits an async ``__init__`` (it awaits the deployment's
+    constructor on the replica's event loop), which starts the worker once;
+    when Serve stops the replica it drains its requests, then awaits
+    ``__del__``, which shuts the worker down (transport closed, peer record
+    unpublished).
+    """
+
+    async def __init__(self, role: str, worker: EngineWorker, board: DeploymentHandle) -> None:
         context = serve.get_replica_context()
         self.role = role
         self.worker = worker
@@ -95,6 +103,7 @@ class WorkerReplica:
         self.name = f"{context.deployment}#{context.replica_id.unique_id}"
         self.num_cancelled = 0  # streams whose caller went away (client disconnects)
         self._latest: dict = {}
+        await worker.start()
         self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     async def abort(self, request_id: str) -> bool:
@@ -128,15 +137,19 @@ class WorkerReplica:
                 self.num_cancelled += 1
                 raise
 
-    def __del__(self) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop may be closed already
-            self._reporter.cancel()
+    async def __del__(self) -> None:
+        # __init__ may have failed part way; Serve calls __del__ anyway
+        reporter, worker = getattr(self, "_reporter", None), getattr(self, "worker", None)
+        if reporter is not None:
+            reporter.cancel()
+        if worker is not None:
+            await worker.shutdown()
 
 
 @serve.deployment(name="ContextWorker", **WORKER_OPTIONS)
 class ContextDeployment(WorkerReplica):
-    def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
-        super().__init__("context", ContextWorker(config), board)
+    async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        await super().__init__("context", ContextWorker(config), board)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:
         return await self.worker.prefill(request_id, prompt_token_ids, params)
@@ -144,8 +157,8 @@ class ContextDeployment(WorkerReplica):
 
 @serve.deployment(name="GenerationWorker", **WORKER_OPTIONS)
 class GenerationDeployment(WorkerReplica):
-    def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
-        super().__init__("generation", GenerationWorker(config), board)
+    async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        await super().__init__("generation", GenerationWorker(config), board)
 
     async def generate(
         self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams
@@ -156,8 +169,8 @@ class GenerationDeployment(WorkerReplica):
 
 @serve.deployment(name="AggregatedWorker", **WORKER_OPTIONS)
 class AggregatedDeployment(WorkerReplica):
-    def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
-        super().__init__("aggregated", AggregatedWorker(config), board)
+    async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        await super().__init__("aggregated", AggregatedWorker(config), board)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

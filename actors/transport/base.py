@@ -106,16 +106,23 @@ class TransportMetadata:
 
 @dataclass(frozen=True)
 class ReadStats:
-    """One read, or a sum of reads: pages before coalescing, descriptors after."""
+    """One read, or a sum of reads: pages before coalescing, descriptors (runs) after.
+
+    The one record of what moved: ``read`` returns it, the generation worker
+    returns it from ``receive_kv``, and ``total`` sums it for metrics.
+    ``seconds`` is the read alone, from posting to completion.
+    """
 
     num_descriptors: int = 0
     num_pages: int = 0
     num_bytes: int = 0
     seconds: float = 0.0
+    num_reads: int = 0
 
     def __add__(self, other: ReadStats) -> ReadStats:
         return ReadStats(self.num_descriptors + other.num_descriptors, self.num_pages + other.num_pages,
-                         self.num_bytes + other.num_bytes, self.seconds + other.seconds)
+                         self.num_bytes + other.num_bytes, self.seconds + other.seconds,
+                         self.num_reads + other.num_reads)
 
 
 def unique_agent_name(role: str) -> str:
@@ -179,19 +186,20 @@ class KVTransport(ABC):
         if self.peers.pop(peer_name, None) is not None:
             self._disconnect(peer_name)
 
-    def read(self, peer_name: str, runs: list[PageRun], timeout_s: float = 30.0) -> int:
-        """Copy each run's peer pages into our pages; block until done; return bytes moved."""
+    def read(self, peer_name: str, runs: list[PageRun], timeout_s: float = 30.0) -> ReadStats:
+        """Copy each run's peer pages into our pages; block until done; return what moved."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         num_bytes = self._validate(peer_name, runs)
         start = time.perf_counter()
         if runs:
             self._read(self.peers[peer_name], runs, timeout_s)
-        stats = ReadStats(len(runs), sum(r.num_pages for r in runs), num_bytes, time.perf_counter() - start)
+        stats = ReadStats(num_descriptors=len(runs), num_pages=sum(r.num_pages for r in runs),
+                          num_bytes=num_bytes, seconds=time.perf_counter() - start, num_reads=1)
         with self._stats_lock:
             self.last_read = stats
             self.total = self.total + stats
-        return num_bytes
+        return stats
 
     def send_notif(self, peer_name: str, message: bytes) -> None:
         """Send a small control message to a connected peer; in order per peer, never KV data."""

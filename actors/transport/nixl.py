@@ -17,11 +17,10 @@ become a prepared remote dlist. A read expands its runs into entry indices::
 
 ``make_prepped_xfer`` merges index neighbours that are adjacent in memory on
 both sides, so each run goes out as ONE descriptor (``last_nixl_descriptors``
-shows it when ``capture_telemetry=True``). Measured on the 2-core CPU box,
-in-process: making a prepped request costs ~0.15 ms against ~0.4 ms for
-building per-run ``nixlXferDList``s on the fly (``initialize_xfer``), with the
-same transfer time for the same descriptor count; and ``initialize_xfer``
-does not merge, so per-page lists made on the fly would go out unmerged.
+shows it when ``capture_telemetry=True``). Lists prepared once beat lists
+built per read (``initialize_xfer``): a prepped request is cheaper to make,
+and ``initialize_xfer`` does not merge, so per-page lists would go out
+unmerged (measurements: bench/README.md, "NIXL transport: measurements").
 
 Memory: DRAM for CPU tensors, VRAM (device id = CUDA index) for CUDA ones.
 
@@ -30,16 +29,16 @@ progress (wire-up and completion; the cma data copy itself is one-sided), so
 a process that serves reads (the context worker) needs the progress thread;
 without it a read times out (``test_target_without_progress_times_out``).
 A pure reader (the generation worker) may pass ``progress_delay_us=None``:
-its own polling (``read``, ``get_notifs``) drives its worker, and reads were
-steadier so (median 3.8 against 1.8 GB/s for a 64 MiB run on the loaded
-2-core box). The default (a thread that sleeps in poll(), 1 ms) is safe for both.
+its own polling (``read``, ``get_notifs``) drives its worker, and its reads
+are steadier so. The default (a thread that sleeps in poll(), 1 ms) is safe
+for both.
 
-UCX_TLS: left unset. Once progress threads stopped spinning (``_make_agent``),
-UCX's default choice and ``cma,tcp,self`` measured within noise between two
-Ray actors here (median of 11: 64 MiB run 3.1 against 3.4 GB/s, 1024
-scattered 64 KiB pages 2.5 against 2.6 GB/s). To force one anyway,
-give the actors ``runtime_env={"env_vars": {"UCX_TLS": ...}}``: UCX reads it
-when the first agent of the process is created.
+UCX_TLS: left unset; UCX's own choice is as fast here as a forced one. To
+force one anyway, give the actors ``runtime_env={"env_vars": {"UCX_TLS": ...}}``:
+UCX reads it when the first agent of the process is created.
+
+Closing deregisters the pages and drops the agent, which ends its progress
+thread and UCX worker now rather than at process exit.
 """
 
 from __future__ import annotations
@@ -146,6 +145,7 @@ class NixlTransport(KVTransport):
         if self._reg_descs is not None:
             self.agent.deregister_memory(self._reg_descs)
             self._reg_descs = None
+        self.agent = None
 
 
 def _make_agent(name: str, progress_delay_us: int | None, capture_telemetry: bool, num_threads: int) -> nixl_agent:

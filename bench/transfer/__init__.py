@@ -9,7 +9,7 @@ generation side reserves 3 draft tokens (scratch that never travels).
 
 Per prompt length P (1k .. 32k tokens), measured side by side, reps interleaved:
 
-- bytes moved by ``GenerationWorker.receive_kv`` (its ``TransferRecord``) against
+- bytes moved by ``GenerationWorker.receive_kv`` (its ``ReadStats``) against
   the slice's minimum, computed here from P, W, B and the page size alone
   (must be exactly 1.00), and against a window-unaware transfer (every layer's
   whole prompt);

@@ -34,6 +34,7 @@ async def start(path: str, mode: dict) -> Bench:
     frag = remote(BenchGenerationWorker).remote(worker_config(path, 2 * (-(-(frag_largest + DRAFTS) // B) + 2), DRAFTS))
     sizes = {f"p{p}": sum(min_slice_pages(p)) * PAGE_NBYTES for p in mode["sizes"]}
     src, dst = remote(BufferPeer).remote(sizes, 1), remote(BufferPeer).remote(sizes, 2)
+    await asyncio.gather(*(worker.start.remote() for worker in (ctx, gen, frag)))  # whoever creates one starts it
     await asyncio.gather(ctx.fill_random.remote(0), frag.fragment.remote(), gen.stats.remote())
     (src_name, src_meta), (dst_name, dst_meta) = await src.agent.remote(), await dst.agent.remote()
     await asyncio.gather(dst.connect.remote(src_name, src_meta), src.connect.remote(dst_name, dst_meta))

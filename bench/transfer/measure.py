@@ -1,7 +1,7 @@
 """One measurement each: a transfer through ``receive_kv``, a single-buffer NIXL read, a memory copy.
 
 Per prompt length, the candidates alternate rep by rep (``bench.common.ainterleave``);
-``size_row`` turns their times and the first transfer's ``TransferRecord`` into figures.
+``size_row`` turns their times and the first transfer's ``ReadStats`` into figures.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Bench:
         self.count = 0
 
     async def transfer(self, gen, prompt_len: int, real: bool = False, verify: bool = False) -> dict:
-        """One request's KV through ``receive_kv``: its TransferRecord plus the wall time the caller saw."""
+        """One request's KV through ``receive_kv``: its ReadStats plus the wall time the caller saw."""
         rid = f"{'real' if real else 'syn'}-{prompt_len}-{self.count}"
         self.count += 1
         if real:

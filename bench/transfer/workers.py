@@ -26,7 +26,6 @@ class SyntheticContextWorker(ContextWorker):
     """
 
     async def hold_synthetic(self, request_id: str, prompt_len: int):
-        self._start()
         return await self.loop.call(self._hold, request_id, prompt_len)
 
     def _hold(self, request_id: str, prompt_len: int):

@@ -18,6 +18,12 @@ RemoteGeneration = ray.remote(num_cpus=0)(GenerationWorker)
 RemoteAggregated = ray.remote(num_cpus=0)(AggregatedWorker)
 
 
+def started(*actors) -> list:
+    """Start workers made as Ray actors (whoever creates a worker starts it, once), all at once."""
+    ray.get([actor.start.remote() for actor in actors])
+    return list(actors)
+
+
 def worker_config(transport: str = "nixl", **fields) -> WorkerConfig:
     fields.setdefault("tokens_per_block", 8)
     fields.setdefault("device", "cpu")

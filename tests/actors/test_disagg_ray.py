@@ -13,8 +13,9 @@ import torch
 
 from actors.leases import LeaseDenied
 from engine import SamplingParams
+from actors.peers import PeerNotFoundError, lookup
 from tests.actors.disagg_helpers import (
-    RemoteContext, RemoteGeneration, disagg_request, random_prompts, worker_config,
+    RemoteContext, RemoteGeneration, disagg_request, random_prompts, started, worker_config,
 )
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
 
@@ -44,9 +45,9 @@ def assert_all_free(pages):
 def test_disaggregated_equals_aggregated(ray_session, tiny_model):
     prompts = random_prompts(50, seed=3)
     expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, GREEDY)
-    contexts = [RemoteContext.remote(worker_config(num_extra_kv_tokens=e)) for e in (0, 2)]
-    generations = [RemoteGeneration.remote(worker_config(max_draft_len=d, num_extra_kv_tokens=e))
-                   for d, e in [(0, 2), (1, 0), (2, 2), (3, 0), (4, 2)]]
+    contexts = started(*[RemoteContext.remote(worker_config(num_extra_kv_tokens=e)) for e in (0, 2)])
+    generations = started(*[RemoteGeneration.remote(worker_config(max_draft_len=d, num_extra_kv_tokens=e))
+                            for d, e in [(0, 2), (1, 0), (2, 2), (3, 0), (4, 2)]])
 
     async def main():
         jobs = [disagg_request(contexts[i % 2], generations[i % 5], f"q{i}", p, GREEDY) for i, p in enumerate(prompts)]
@@ -65,8 +66,7 @@ def test_seeded_sampling_disaggregated_equals_aggregated(ray_session, tiny_model
     prompts = random_prompts(6, seed=5)
     params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True) for i in range(6)]
     expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, params)
-    ctx = RemoteContext.remote(worker_config())
-    gen = RemoteGeneration.remote(worker_config())
+    ctx, gen = started(RemoteContext.remote(worker_config()), RemoteGeneration.remote(worker_config()))
 
     async def main():
         return await asyncio.gather(*[disagg_request(ctx, gen, f"s{i}", p, params[i]) for i, p in enumerate(prompts)])
@@ -76,8 +76,8 @@ def test_seeded_sampling_disaggregated_equals_aggregated(ray_session, tiny_model
 
 
 def test_pages_land_at_their_ordinals_and_nowhere_else(ray_session):
-    ctx = RemoteContext.remote(worker_config())
-    gen = RemoteGeneration.remote(worker_config(max_draft_len=3, num_extra_kv_tokens=2))
+    ctx, gen = started(RemoteContext.remote(worker_config()),
+                       RemoteGeneration.remote(worker_config(max_draft_len=3, num_extra_kv_tokens=2)))
 
     async def main():
         prompt = list(range(30, 30 + 70))  # window 32, blocks of 8: stale blocks, a partial last block
@@ -114,8 +114,8 @@ def test_pages_land_at_their_ordinals_and_nowhere_else(ray_session):
 
 
 def test_expired_lease_fails_a_late_transfer_and_never_reads_reused_pages(ray_session):
-    ctx = RemoteContext.remote(worker_config(lease_s=0.5))
-    gen = RemoteGeneration.remote(worker_config())
+    ctx, gen = started(RemoteContext.remote(worker_config(lease_s=0.5)),
+                       RemoteGeneration.remote(worker_config()))
 
     async def main():
         handle = await ctx.prefill.remote("old", list(range(40)), GREEDY)
@@ -138,8 +138,8 @@ async def disagg_request_from(handle, gen, prompt):
 
 
 def test_abort_at_each_stage_frees_both_sides(ray_session):
-    ctx = RemoteContext.remote(worker_config(max_num_batched_tokens=16))
-    gen = RemoteGeneration.remote(worker_config())
+    ctx, gen = started(RemoteContext.remote(worker_config(max_num_batched_tokens=16)),
+                       RemoteGeneration.remote(worker_config()))
 
     async def main():
         # during prefill (chunked over several steps)
@@ -168,8 +168,8 @@ def test_abort_at_each_stage_frees_both_sides(ray_session):
 def test_generation_side_extends_the_lease_while_waiting_for_pages(ray_session):
     """The generation cache is full; the context lease (2 s) would lapse, but the
     waiting generation side extends it, and the request completes once pages free."""
-    ctx = RemoteContext.remote(worker_config(lease_s=2.0))
-    gen = RemoteGeneration.remote(worker_config(num_pages=12))
+    ctx, gen = started(RemoteContext.remote(worker_config(lease_s=2.0)),
+                       RemoteGeneration.remote(worker_config(num_pages=12)))
 
     async def main():
         hog = await ctx.prefill.remote("hog", list(range(60)), GREEDY)
@@ -193,3 +193,44 @@ async def disagg_request_tokens(gen, handle, prompt):
     async for ref in gen.generate.remote(handle, prompt, GREEDY):
         tokens += (await ref).new_token_ids
     return tokens
+
+
+def test_abort_while_waiting_for_pages_ends_the_handoff_and_frees_both_sides(ray_session):
+    ctx, gen = started(RemoteContext.remote(worker_config()),
+                       RemoteGeneration.remote(worker_config(num_pages=12)))
+
+    async def main():
+        hog = await ctx.prefill.remote("hog", list(range(60)), GREEDY)
+        await gen.receive_kv.remote(hog)  # the generation cache is now too full for "late"
+        late = await ctx.prefill.remote("late", list(range(50)), GREEDY)
+        job = asyncio.ensure_future(disagg_request_tokens(gen, late, list(range(50))))
+        await asyncio.sleep(0.5)
+        assert not job.done(), job.exception()
+        assert await gen.abort.remote("late")  # returns once the handoff is undone
+        with pytest.raises(ray.exceptions.TaskCancelledError):  # the stream ends: its handoff was cancelled
+            await asyncio.wait_for(job, 10)
+        await gen.abort.remote("hog")
+        await asyncio.sleep(0.3)  # the release notification reaches the context worker
+        return await free_pages(ctx, gen)
+
+    assert_all_free(asyncio.run(main()))
+
+
+def test_shutdown_unpublishes_the_peer_record(ray_session):
+    ctx, gen = started(RemoteContext.remote(worker_config()), RemoteGeneration.remote(worker_config()))
+
+    async def main():
+        prompt = list(range(20))
+        handle = await ctx.prefill.remote("s", prompt, GREEDY)
+        agent = (await ctx.stats.remote())["agent"]
+        published = lookup(agent)
+        await ctx.shutdown.remote()
+        with pytest.raises(PeerNotFoundError):
+            lookup(agent)
+        with pytest.raises(Exception, match="no KV peer"):  # a generation worker no longer finds it
+            await disagg_request_from(handle, gen, prompt)
+        return published, await free_pages(gen)
+
+    published, pages = asyncio.run(main())
+    assert published["compat"]["page_layout"] and published["transport"]
+    assert_all_free(pages)

@@ -13,7 +13,9 @@ import ray
 from bench.common import start_ray
 
 from engine import SamplingParams
-from tests.actors.disagg_helpers import RemoteContext, RemoteGeneration, disagg_request, worker_config
+from tests.actors.disagg_helpers import (
+    RemoteContext, RemoteGeneration, disagg_request, started, worker_config,
+)
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -32,9 +34,8 @@ async def all_free(worker) -> bool:
 
 
 def test_context_dies_between_prefill_and_transfer(ray_session):
-    doomed = RemoteContext.remote(worker_config())
-    spare = RemoteContext.remote(worker_config())
-    gen = RemoteGeneration.remote(worker_config(transfer_timeout_s=3.0))
+    doomed, spare, gen = started(RemoteContext.remote(worker_config()), RemoteContext.remote(worker_config()),
+                                 RemoteGeneration.remote(worker_config(transfer_timeout_s=3.0)))
 
     async def main():
         prompt = list(range(40))
@@ -55,8 +56,8 @@ def test_context_dies_between_prefill_and_transfer(ray_session):
 
 
 def test_generation_dies_before_transfer_and_the_lease_frees_context_pages(ray_session):
-    ctx = RemoteContext.remote(worker_config(lease_s=1.0))
-    gen = RemoteGeneration.remote(worker_config())
+    ctx, gen = started(RemoteContext.remote(worker_config(lease_s=1.0)),
+                       RemoteGeneration.remote(worker_config()))
 
     async def main():
         handle = await ctx.prefill.remote("z", list(range(50)), GREEDY)
@@ -70,8 +71,7 @@ def test_generation_dies_before_transfer_and_the_lease_frees_context_pages(ray_s
 
 
 def test_failed_transfer_is_clear_and_frees_both_sides(ray_session):
-    ctx = RemoteContext.remote(worker_config())
-    gen = RemoteGeneration.remote(worker_config())
+    ctx, gen = started(RemoteContext.remote(worker_config()), RemoteGeneration.remote(worker_config()))
 
     async def main():
         prompt = list(range(40))

@@ -80,7 +80,8 @@ def test_read_copies_exactly_the_destination_pages(pair, full, swa, seed):
     before = _snapshot(reader)
     runs = coalesce(full, "full") + coalesce(swa, "swa")
 
-    num_bytes = reader.read(peer.agent_name, runs)
+    stats = reader.read(peer.agent_name, runs)
+    num_bytes = stats.num_bytes
 
     for group, pairs in (("full", full), ("swa", swa)):
         ours, theirs, old = _bytes(reader.tensors[group]), _bytes(peer.tensors[group]), _bytes(before[group])
@@ -90,8 +91,8 @@ def test_read_copies_exactly_the_destination_pages(pair, full, swa, seed):
         assert torch.equal(ours[untouched], old[untouched])
     page_nbytes = {g: _bytes(t).shape[1] for g, t in reader.tensors.items()}
     assert num_bytes == len(full) * page_nbytes["full"] + len(swa) * page_nbytes["swa"]
-    assert reader.last_read.num_descriptors == len(runs)
-    assert reader.last_read.num_pages == len(full) + len(swa)
+    assert stats == reader.last_read
+    assert (stats.num_reads, stats.num_descriptors, stats.num_pages) == (1, len(runs), len(full) + len(swa))
 
 
 @pytest.mark.parametrize("run", [
@@ -137,12 +138,12 @@ def test_adjacent_pages_go_out_as_one_descriptor(pair):
 def test_connect_is_idempotent_and_disconnect_forgets(pair):
     reader, peer = pair
     reader.connect(peer.agent_name, peer.metadata())
-    assert reader.read(peer.agent_name, [PageRun("swa", 0, 0, 1)]) > 0
+    assert reader.read(peer.agent_name, [PageRun("swa", 0, 0, 1)]).num_bytes > 0
     reader.disconnect(peer.agent_name)
     with pytest.raises(TransferError, match="unknown peer"):
         reader.read(peer.agent_name, [PageRun("swa", 0, 0, 1)])
     reader.connect(peer.agent_name, peer.metadata())
-    assert reader.read(peer.agent_name, [PageRun("swa", 0, 0, 1)]) > 0
+    assert reader.read(peer.agent_name, [PageRun("swa", 0, 0, 1)]).num_bytes > 0
 
 
 def test_notifications_arrive_in_order_from_connected_peers(pair):
