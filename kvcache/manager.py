@@ -38,9 +38,9 @@ from collections.abc import KeysView, Mapping, Sequence
 
 import torch
 
-from kvcache.integrity import check_pools
+from kvcache.integrity import check_pools, rewind_refusal
 from kvcache.pool import PagePool
-from kvcache.prefix import cached_ordinals, cached_prefix_length, find_hit_pages, offer_blocks
+from kvcache.prefix import cached_prefix_length, find_hit_pages, offer_blocks
 from kvcache.request_blocks import RequestBlocks
 from kvcache.slicing import UNBOUND, stale_end
 from kvcache.spec import KVCacheSpec
@@ -226,16 +226,16 @@ class KVCacheManager:
         return released
 
     def can_rewind(self, request_id: str, num_tokens: int) -> bool:
-        return self._rewind_refusal(request_id, num_tokens) is None
+        return rewind_refusal(self.spec, self.pools, request_id, self._get(request_id), num_tokens) is None
 
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Shrink the request to ``num_tokens`` tokens, unbinding ordinals past the new capacity.
 
         Refuses (ValueError) to rewind to a point whose next query would read a
         window page that was already released, or whose next tokens would
-        overwrite a cached block (see ``_rewind_refusal``).
+        overwrite a cached block (integrity.rewind_refusal).
         """
-        refusal = self._rewind_refusal(request_id, num_tokens)
+        refusal = rewind_refusal(self.spec, self.pools, request_id, self._get(request_id), num_tokens)
         if refusal is not None:
             raise ValueError(refusal)
         blocks = self._get(request_id)
@@ -273,39 +273,16 @@ class KVCacheManager:
         except KeyError:
             raise KeyError(f"request {request_id!r} has no KV blocks") from None
 
-    def _plan(self, num_tokens: int, num_computed_tokens: int, draft_len: int, num_extra: int,
-              include_drafts: bool, block_hashes: Sequence[bytes]) -> tuple[RequestBlocks, dict[str, dict[int, int]]]:
+    def _plan(
+        self, num_tokens: int, num_computed_tokens: int, draft_len: int, num_extra: int,
+        include_drafts: bool, block_hashes: Sequence[bytes],
+    ) -> tuple[RequestBlocks, dict[str, dict[int, int]]]:
         """A new request's sizes and first bound ordinals (tables still empty), and its cache hits."""
         B = self.spec.tokens_per_block
         blocks = RequestBlocks(num_tokens, draft_len, num_extra, include_drafts, B)
         blocks.first_bound = {g.name: min(stale_end(num_computed_tokens, g.window, B), blocks.num_ordinals)
                               for g in self.spec.groups}
         return blocks, find_hit_pages(self.pools, blocks.first_bound, num_computed_tokens // B, block_hashes)
-
-    def _rewind_refusal(self, request_id: str, num_tokens: int) -> str | None:
-        """Why ``rewind(num_tokens)`` is refused, or None.
-
-        Kept ordinals ``[n' // B, ordinals_for(n'))`` hold positions ``>= n'``
-        that the next tokens overwrite, so none of them may hold a cached
-        block: another request could be reading it. Those beyond are unbound
-        (a cached one stays evictable, its content still matching its name).
-        """
-        blocks = self._get(request_id)
-        if not 0 <= num_tokens <= blocks.num_tokens:
-            return f"cannot rewind request {request_id!r} to {num_tokens} tokens (has {blocks.num_tokens})"
-        B = self.spec.tokens_per_block
-        for group in self.spec.groups:
-            needed = stale_end(num_tokens, group.window, B)
-            if blocks.first_bound[group.name] > needed:
-                return (f"cannot rewind request {request_id!r} to {num_tokens} tokens: group {group.name!r} "
-                        f"released ordinals below {blocks.first_bound[group.name]}, the next query needs {needed}")
-        kept = range(num_tokens // B, blocks.ordinals_for(num_tokens))
-        for name, pool in self.pools.items():
-            cached = cached_ordinals(pool, blocks.tables[name], kept)
-            if cached:
-                return (f"cannot rewind request {request_id!r} to {num_tokens} tokens: group {name!r} ordinals "
-                        f"{cached} hold cached blocks that the next tokens would overwrite")
-        return None
 
 
 def _bind(pool: PagePool, first: int, num_ordinals: int, hits: Mapping[int, int]) -> list[int]:

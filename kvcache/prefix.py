@@ -117,8 +117,10 @@ def cached_ordinals(pool: PagePool, table: Sequence[int], ordinals: range) -> li
     return [i for i in ordinals if table[i] >= 0 and pool.hash_of(table[i]) is not None]
 
 
-def offer_blocks(pools: Mapping[str, PagePool], blocks: RequestBlocks, block_hashes: Sequence[bytes], end: int) -> int:
-    """Name each bound block of ``blocks`` below ordinal ``end`` not offered before; returns how many got a name."""
+def offer_blocks(
+    pools: Mapping[str, PagePool], blocks: RequestBlocks, block_hashes: Sequence[bytes], end: int
+) -> int:
+    """Name each bound block of ``blocks`` below ordinal ``end`` not offered before; returns how many got one."""
     end = min(end, len(block_hashes))
     num_named = 0
     for name, pool in pools.items():

@@ -9,7 +9,8 @@ from kvcache import KVCacheManager
 
 
 def pytest_generate_tests(metafunc):
-    if "prefix_caching_default" in metafunc.fixturenames and not getattr(metafunc.module, "SETS_PREFIX_CACHING", False):
+    sets_its_own = getattr(metafunc.module, "SETS_PREFIX_CACHING", False)
+    if "prefix_caching_default" in metafunc.fixturenames and not sets_its_own:
         metafunc.parametrize("prefix_caching_default", [False, True], ids=["cache-off", "cache-on"],
                              indirect=True, scope="module")
 
