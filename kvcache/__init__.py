@@ -6,7 +6,7 @@ from kvcache.capacity import get_kv_capacity_tokens, num_blocks
 from kvcache.hashing import NO_PARENT, block_hash, block_hashes, extend_block_hashes, kv_fingerprint
 from kvcache.manager import KVCacheManager
 from kvcache.pool import PagePool
-from kvcache.prefix import longest_hit, needed_for_hit
+from kvcache.prefix import cached_prefix_length, longest_hit
 from kvcache.slicing import UNBOUND, KVSliceError, plan_slice, slice_range, stale_end
 from kvcache.spec import KVCacheSpec, LayerGroup
 from kvcache.storage import PageStorage
@@ -22,11 +22,11 @@ __all__ = [
     "PageStorage",
     "block_hash",
     "block_hashes",
+    "cached_prefix_length",
     "extend_block_hashes",
     "get_kv_capacity_tokens",
     "kv_fingerprint",
     "longest_hit",
-    "needed_for_hit",
     "num_blocks",
     "plan_slice",
     "slice_range",

@@ -112,21 +112,25 @@ class KVCacheManager:
         """The hit ``h``: the largest multiple of B, at most ``P - 1``, every group holds (prefix.py)."""
         if not self.enable_prefix_caching:
             return 0
-        return cached_prefix_length(self.spec, self.pools, block_hashes, num_prompt_tokens)
+        cached = {name: pool.cached_hashes() for name, pool in self.pools.items()}
+        return cached_prefix_length(self.spec, cached, block_hashes, num_prompt_tokens)
 
     def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int) -> int:
         """Name the request's bound full blocks below ``num_computed_tokens``; returns how many became cached.
 
         Call once their KV is written (the engine after a step, before
-        ``release_stale``; a generation side after a pull). A block another
-        page already holds keeps that page; this request's copy stays unnamed.
+        ``release_stale``; a generation side after a pull). Only blocks inside
+        the held tokens are named: accepted drafts not yet appended wait for
+        the next call. A block another page already holds keeps that page;
+        this request's copy stays unnamed.
         """
         if not self.enable_prefix_caching:
             return 0
         blocks = self._get(request_id)
-        if not 0 <= num_computed_tokens <= blocks.num_tokens:
-            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {blocks.num_tokens}]")
-        return offer_blocks(self.pools, blocks, block_hashes, num_computed_tokens // self.spec.tokens_per_block)
+        if not 0 <= num_computed_tokens <= blocks.capacity:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {blocks.capacity}]")
+        end = min(num_computed_tokens, blocks.num_tokens) // self.spec.tokens_per_block
+        return offer_blocks(self.pools, blocks, block_hashes, end)
 
     # -- allocate --------------------------------------------------------
     def can_allocate(

@@ -34,19 +34,12 @@ queries would then read pages that hold nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 
 from kvcache.pool import PagePool
 from kvcache.request_blocks import RequestBlocks
 from kvcache.slicing import stale_end
 from kvcache.spec import KVCacheSpec
-
-
-def needed_for_hit(num_hit_tokens: int, window: int | None, tokens_per_block: int) -> range:
-    """Ordinals a group must hold cached for a hit of ``num_hit_tokens``: ``[stale_end(h), h/B)``."""
-    if num_hit_tokens % tokens_per_block:
-        raise ValueError(f"a hit is a whole number of blocks, got {num_hit_tokens} with B={tokens_per_block}")
-    return range(stale_end(num_hit_tokens, window, tokens_per_block), num_hit_tokens // tokens_per_block)
 
 
 def longest_hit(cached: Sequence[tuple[int | None, Sequence[bool]]], tokens_per_block: int) -> int:
@@ -83,15 +76,16 @@ def _last_miss_below(is_cached: Sequence[bool]) -> list[int]:
 
 
 def cached_prefix_length(
-    spec: KVCacheSpec, pools: Mapping[str, PagePool], block_hashes: Sequence[bytes], num_prompt_tokens: int
+    spec: KVCacheSpec,
+    cached_hashes: Mapping[str, Container[bytes]],
+    block_hashes: Sequence[bytes],
+    num_prompt_tokens: int,
 ) -> int:
-    """The hit for a prompt of ``num_prompt_tokens`` named by ``block_hashes``, from each group's pool."""
+    """The hit for a prompt of ``num_prompt_tokens`` named by ``block_hashes``, given the
+    names each group holds (a manager's pools, or what a router knows of a replica)."""
     B = spec.tokens_per_block
     num_candidates = min(len(block_hashes), max(0, num_prompt_tokens - 1) // B)
-    cached = [
-        (g.window, [pools[g.name].cached_page(h) is not None for h in block_hashes[:num_candidates]])
-        for g in spec.groups
-    ]
+    cached = [(g.window, [h in cached_hashes[g.name] for h in block_hashes[:num_candidates]]) for g in spec.groups]
     return longest_hit(cached, B)
 
 

@@ -4,7 +4,7 @@ check-then-do with pinned hits, and the cache switched off."""
 
 import pytest
 
-from kvcache import KVCacheManager, block_hashes, plan_slice
+from kvcache import KVCacheManager, block_hashes, cached_prefix_length, plan_slice
 from tests.kvcache.helpers import make_spec
 from tests.kvcache.prefix_helpers import fill_storage, read_problems, run_request, write_tokens
 from tests.kvcache.test_prefix_sweep import count_based_hit
@@ -37,6 +37,15 @@ def test_worked_example_b8_w16():
     write_tokens(manager, "B", TOKENS, 32, 40)
     assert read_problems(manager, "B", TOKENS, 32, 39) == []
     manager.check_integrity()
+
+
+def test_hit_rule_on_plain_name_sets():
+    """The rule a router applies to what it knows of a replica: names per group, no pages."""
+    spec, hashes = make_spec(16, 8), block_hashes(TOKENS, 8)
+    head = {"full": set(hashes[:4]), "sliding": set(hashes[:2])}
+    tail = {"full": set(hashes[:4]), "sliding": set(hashes[2:4])}
+    assert [cached_prefix_length(spec, tail, hashes, P) for P in (40, 33, 32, 2, 1)] == [32, 32, 0, 0, 0]
+    assert [cached_prefix_length(spec, head, hashes, P) for P in (40, 33, 32, 17, 16)] == [16, 16, 16, 16, 8]
 
 
 def lose_window_blocks(release_head_first: bool):
@@ -199,3 +208,18 @@ def test_switched_off_the_cache_names_nothing():
     manager.allocate("b", 40, num_computed_tokens=40, block_hashes=hashes)
     assert manager.get_cached_ordinals("b", "full") == [] and manager.get_cached_ordinals("b", "sliding") == []
     assert manager.num_free_pages() == 24 - 5 - 2         # full 0..4, window 3..4 (stale_end(40) = 3): all fresh
+
+
+def test_accepted_drafts_are_named_once_appended():
+    """Drafts verified in the scratch [10, 13) are computed before append commits them."""
+    manager = manager_with(None, 4, 8)
+    hashes = block_hashes(TOKENS[:13], 4)
+    manager.allocate("r", 10, draft_len=3)
+    write_tokens(manager, "r", TOKENS, 0, 12)             # the prompt and two accepted drafts
+    assert manager.cache_blocks("r", hashes, 12) == 2     # block 2 = 8..11 lies past the 10 held tokens
+    assert hashes[2] not in manager.cached_block_hashes("full")
+    manager.append("r", 2)
+    assert manager.cache_blocks("r", hashes, 12) == 1 and hashes[2] in manager.cached_block_hashes("full")
+    with pytest.raises(ValueError):
+        manager.cache_blocks("r", hashes, 16)             # past capacity 15
+    manager.check_integrity()
