@@ -1,14 +1,18 @@
 """Paged KV cache: layer groups, block tables by ordinal, the capacity definition,
-and the windowed-slice planner. Pure Python + torch; imports nothing of the project."""
+the windowed-slice planner, and the prefix cache (block names, reference-counted
+pages, the hit rule). Pure Python + torch; imports nothing of the project."""
 
 from kvcache.capacity import get_kv_capacity_tokens, num_blocks
+from kvcache.hashing import NO_PARENT, block_hash, block_hashes, extend_block_hashes, kv_fingerprint
 from kvcache.manager import KVCacheManager
 from kvcache.pool import PagePool
+from kvcache.prefix import longest_hit, needed_for_hit
 from kvcache.slicing import UNBOUND, KVSliceError, plan_slice, slice_range, stale_end
 from kvcache.spec import KVCacheSpec, LayerGroup
 from kvcache.storage import PageStorage
 
 __all__ = [
+    "NO_PARENT",
     "UNBOUND",
     "KVCacheManager",
     "KVCacheSpec",
@@ -16,7 +20,13 @@ __all__ = [
     "LayerGroup",
     "PagePool",
     "PageStorage",
+    "block_hash",
+    "block_hashes",
+    "extend_block_hashes",
     "get_kv_capacity_tokens",
+    "kv_fingerprint",
+    "longest_hit",
+    "needed_for_hit",
     "num_blocks",
     "plan_slice",
     "slice_range",

@@ -1,4 +1,4 @@
-"""KVCacheManager: pages, layer groups and per-request block tables.
+"""KVCacheManager: pages, layer groups, per-request block tables, and the prefix cache.
 
 Each layer group has its own page pool and page tensor. Pools are separate
 (vLLM's hybrid allocator shares one) because the groups need very different
@@ -8,25 +8,39 @@ full group binds ``ceil(capacity / B)``. Separate pools let each be sized to
 its own need, keep one page size per pool, and make each group one
 registered memory region for a transport.
 
-Life of a request (``n`` = tokens whose KV is held, ``D`` drafts, ``E`` extra)::
+Life of a request (``n`` = tokens whose KV is held, ``D`` drafts, ``E`` extra,
+``hashes = block_hashes(token_ids, B, extra)``)::
 
-    allocate(n, num_computed_tokens=c)   binds ordinals [stale_end(c), ceil(cap(n)/B))
-    append(k)                            n += k, binds the new tail ordinals
-    release_stale(c)                     unbinds window ordinals below stale_end(c)
-    rewind(n')                           n = n' < n, unbinds ordinals past ceil(cap(n')/B)
-    free()                               every page back to its pool
+    h = find_cached_prefix(hashes, P)      hit: KV of [0, h) is cached (rule in prefix.py)
+    allocate(n, num_computed_tokens=c,     binds ordinals [stale_end(c), ceil(cap(n)/B)):
+             block_hashes=hashes)            cached pages where block i < c/B is cached, fresh elsewhere
+    cache_blocks(hashes, c)                names the full blocks below c once their KV is written
+    append(k)                              n += k, binds the new tail ordinals
+    release_stale(c)                       unbinds window ordinals below stale_end(c)
+    rewind(n')                             n = n' < n, unbinds ordinals past ceil(cap(n')/B)
+    free()                                 drops every binding
 
 ``cap(n) = get_kv_capacity_tokens(n, D, E, include_drafts=...)``. Drafts live
 in the reserved scratch ``[n, n + D)`` and never enter ``n`` until accepted.
+
+Roles: a context side computing a prompt passes ``c = h``; a generation side
+receiving a prompt by transfer passes ``c = P`` (all of its KV will exist)
+and drops ``get_cached_ordinals`` from the transfer. Pages are
+reference-counted: a page bound by several requests is released once per
+binding, and a cached page nobody binds is evictable, not lost (pool.py).
+With ``enable_prefix_caching=False`` nothing is ever cached, and every call
+behaves as it did before the cache existed.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import KeysView, Mapping, Sequence
 
 import torch
 
+from kvcache.integrity import check_pools
 from kvcache.pool import PagePool
+from kvcache.prefix import cached_ordinals, cached_prefix_length, find_hit_pages, offer_blocks
 from kvcache.request_blocks import RequestBlocks
 from kvcache.slicing import UNBOUND, stale_end
 from kvcache.spec import KVCacheSpec
@@ -41,18 +55,21 @@ class KVCacheManager:
         *,
         device: str | torch.device = "cpu",
         allocate_storage: bool = True,
+        enable_prefix_caching: bool = False,
     ) -> None:
         sizes = {g.name: num_pages for g in spec.groups} if isinstance(num_pages, int) else dict(num_pages)
         missing = [g.name for g in spec.groups if g.name not in sizes]
         if missing:
             raise ValueError(f"num_pages has no entry for groups {missing}")
         self.spec = spec
+        self.enable_prefix_caching = enable_prefix_caching
         self.pools = {g.name: PagePool(sizes[g.name]) for g in spec.groups}
         self.storage = PageStorage(spec, sizes, device) if allocate_storage else None
         self._requests: dict[str, RequestBlocks] = {}
 
     # -- queries ---------------------------------------------------------
     def num_free_pages(self, group: str | None = None) -> int:
+        """Pages an allocation can take: free ones and evictable cached ones."""
         if group is not None:
             return self.pools[group].num_free
         return sum(pool.num_free for pool in self.pools.values())
@@ -76,6 +93,41 @@ class KVCacheManager:
         """One entry per block of capacity: page id, or -1 where none is bound."""
         return list(self._get(request_id).tables[group])
 
+    def get_cached_ordinals(self, request_id: str, group: str) -> list[int]:
+        """Ordinals ``allocate`` bound to cached pages: their KV exists, a transfer skips them."""
+        return list(self._get(request_id).cached_ordinals[group])
+
+    def num_cached_blocks(self, group: str | None = None) -> int:
+        """Blocks the prefix cache can name, owned or evictable."""
+        if group is not None:
+            return self.pools[group].num_cached
+        return sum(pool.num_cached for pool in self.pools.values())
+
+    def cached_block_hashes(self, group: str) -> KeysView[bytes]:
+        """Names of the blocks cached in ``group`` (a live view: copy it to keep it)."""
+        return self.pools[group].cached_hashes()
+
+    # -- prefix cache ----------------------------------------------------
+    def find_cached_prefix(self, block_hashes: Sequence[bytes], num_prompt_tokens: int) -> int:
+        """The hit ``h``: the largest multiple of B, at most ``P - 1``, every group holds (prefix.py)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return cached_prefix_length(self.spec, self.pools, block_hashes, num_prompt_tokens)
+
+    def cache_blocks(self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int) -> int:
+        """Name the request's bound full blocks below ``num_computed_tokens``; returns how many became cached.
+
+        Call once their KV is written (the engine after a step, before
+        ``release_stale``; a generation side after a pull). A block another
+        page already holds keeps that page; this request's copy stays unnamed.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        blocks = self._get(request_id)
+        if not 0 <= num_computed_tokens <= blocks.num_tokens:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {blocks.num_tokens}]")
+        return offer_blocks(self.pools, blocks, block_hashes, num_computed_tokens // self.spec.tokens_per_block)
+
     # -- allocate --------------------------------------------------------
     def can_allocate(
         self,
@@ -85,10 +137,17 @@ class KVCacheManager:
         draft_len: int = 0,
         num_extra_kv_tokens: int = 0,
         include_drafts: bool = True,
+        block_hashes: Sequence[bytes] = (),
     ) -> bool:
-        blocks = self._new_blocks(num_tokens, draft_len, num_extra_kv_tokens, include_drafts)
-        first = self._first_bound(num_computed_tokens, blocks.num_ordinals)
-        return all(blocks.num_ordinals - first[name] <= pool.num_free for name, pool in self.pools.items())
+        """Whether ``allocate`` with the same arguments finds the pages: fresh ones plus evictable hits it pins."""
+        blocks, hits = self._plan(num_tokens, num_computed_tokens, draft_len, num_extra_kv_tokens,
+                                  include_drafts, block_hashes)
+        for name, pool in self.pools.items():
+            num_fresh = blocks.num_ordinals - blocks.first_bound[name] - len(hits[name])
+            num_pinned_evictable = sum(pool.is_evictable(page) for page in hits[name].values())
+            if num_fresh + num_pinned_evictable > pool.num_free:
+                return False
+        return True
 
     def allocate(
         self,
@@ -99,21 +158,30 @@ class KVCacheManager:
         draft_len: int = 0,
         num_extra_kv_tokens: int = 0,
         include_drafts: bool = True,
+        block_hashes: Sequence[bytes] = (),
     ) -> None:
-        """Bind pages for ``num_tokens`` (+ scratch); window ordinals stale at ``num_computed_tokens`` stay -1."""
+        """Bind pages for ``num_tokens`` (+ scratch); window ordinals stale at ``num_computed_tokens`` stay -1.
+
+        Each ordinal ``i`` in ``[first_bound, num_computed_tokens // B)`` whose
+        block ``block_hashes[i]`` is cached in a group binds that cached page
+        (``get_cached_ordinals``); every other ordinal gets a fresh page. Fresh
+        pages below ``num_computed_tokens`` hold nothing yet: the caller fills
+        them (a transfer), or passes the hit of ``find_cached_prefix``, whose
+        blocks are all cached.
+        """
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already has KV blocks")
         if not 0 <= num_computed_tokens <= num_tokens:
             raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {num_tokens}]")
-        kwargs = dict(num_computed_tokens=num_computed_tokens, draft_len=draft_len,
-                      num_extra_kv_tokens=num_extra_kv_tokens, include_drafts=include_drafts)
+        kwargs = {"num_computed_tokens": num_computed_tokens, "draft_len": draft_len, "block_hashes": block_hashes,
+                  "num_extra_kv_tokens": num_extra_kv_tokens, "include_drafts": include_drafts}
         if not self.can_allocate(num_tokens, **kwargs):
             raise MemoryError(f"not enough free pages for request {request_id!r}")
-        blocks = self._new_blocks(num_tokens, draft_len, num_extra_kv_tokens, include_drafts)
-        blocks.first_bound = self._first_bound(num_computed_tokens, blocks.num_ordinals)
+        blocks, hits = self._plan(num_tokens, num_computed_tokens, draft_len, num_extra_kv_tokens,
+                                  include_drafts, block_hashes)
         for name, pool in self.pools.items():
-            first = blocks.first_bound[name]
-            blocks.tables[name] = [UNBOUND] * first + pool.take(blocks.num_ordinals - first)
+            blocks.tables[name] = _bind(pool, blocks.first_bound[name], blocks.num_ordinals, hits[name])
+            blocks.cached_ordinals[name] = sorted(hits[name])
         self._requests[request_id] = blocks
 
     # -- grow, shrink, release -------------------------------------------
@@ -138,7 +206,8 @@ class KVCacheManager:
     def release_stale(self, request_id: str, num_computed_tokens: int) -> int:
         """Unbind window pages that no query at or after ``num_computed_tokens`` reads.
 
-        Returns the number of pages given back. Full groups are untouched.
+        Returns the number of pages unbound; a cached one stays evictable.
+        Full groups are untouched.
         """
         blocks = self._get(request_id)
         # Accepted drafts are computed before append() commits them: up to capacity is valid.
@@ -150,61 +219,52 @@ class KVCacheManager:
             table, start = blocks.tables[group.name], blocks.first_bound[group.name]
             if end <= start:
                 continue
-            self.pools[group.name].give_back(table[start:end])
+            self.pools[group.name].release(table[start:end])
             table[start:end] = [UNBOUND] * (end - start)
             blocks.first_bound[group.name] = end
             released += end - start
         return released
 
+    def can_rewind(self, request_id: str, num_tokens: int) -> bool:
+        return self._rewind_refusal(request_id, num_tokens) is None
+
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Shrink the request to ``num_tokens`` tokens, unbinding ordinals past the new capacity.
 
         Refuses (ValueError) to rewind to a point whose next query would read a
-        window page that was already released.
+        window page that was already released, or whose next tokens would
+        overwrite a cached block (see ``_rewind_refusal``).
         """
+        refusal = self._rewind_refusal(request_id, num_tokens)
+        if refusal is not None:
+            raise ValueError(refusal)
         blocks = self._get(request_id)
-        if not 0 <= num_tokens <= blocks.num_tokens:
-            raise ValueError(f"cannot rewind request {request_id!r} to {num_tokens} tokens (has {blocks.num_tokens})")
-        for group in self.spec.groups:
-            needed = stale_end(num_tokens, group.window, self.spec.tokens_per_block)
-            if blocks.first_bound[group.name] > needed:
-                raise ValueError(
-                    f"cannot rewind request {request_id!r} to {num_tokens} tokens: group {group.name!r} "
-                    f"released ordinals below {blocks.first_bound[group.name]}, the next query needs {needed}"
-                )
         new_len = blocks.ordinals_for(num_tokens)
         for name, pool in self.pools.items():
             table = blocks.tables[name]
-            pool.give_back([page for page in table[new_len:] if page >= 0])
+            pool.release([page for page in reversed(table[new_len:]) if page >= 0])
             del table[new_len:]
             blocks.first_bound[name] = min(blocks.first_bound[name], new_len)
         blocks.num_tokens = num_tokens
+        blocks.num_offered_blocks = min(blocks.num_offered_blocks, num_tokens // self.spec.tokens_per_block)
 
     def free(self, request_id: str) -> None:
-        """Give every page of the request back. Freeing an unknown request is a no-op."""
+        """Drop every binding of the request. Freeing an unknown request is a no-op.
+
+        Pages go back last ordinal first, so among a request's cached blocks
+        the tail is evicted before the head that every longer hit needs.
+        """
         blocks = self._requests.pop(request_id, None)
         if blocks is None:
             return
         for name, pool in self.pools.items():
-            pool.give_back(blocks.bound_pages(name))
+            pool.release(reversed(blocks.bound_pages(name)))
 
     # -- checks ----------------------------------------------------------
     def check_integrity(self) -> None:
-        """Every page is free or owned by exactly one (request, group, ordinal); raises AssertionError."""
-        for name, pool in self.pools.items():
-            owners: dict[int, tuple[str, int]] = {}
-            for request_id, blocks in self._requests.items():
-                self._check_table(request_id, name, blocks)
-                for ordinal, page in enumerate(blocks.tables[name]):
-                    if page < 0:
-                        continue
-                    if page in owners:
-                        raise AssertionError(f"group {name}: page {page} owned by {owners[page]} and {(request_id, ordinal)}")
-                    if pool.is_free(page):
-                        raise AssertionError(f"group {name}: page {page} is free but bound to {(request_id, ordinal)}")
-                    owners[page] = (request_id, ordinal)
-            if len(owners) + pool.num_free != pool.num_pages:
-                raise AssertionError(f"group {name}: {len(owners)} owned + {pool.num_free} free != {pool.num_pages}")
+        """Every page is free, evictable-cached, or owned by exactly ``ref_count`` bindings;
+        tables keep their shape; no request binds a cached block past its tokens. Raises AssertionError."""
+        check_pools(self.pools, self._requests)
 
     # -- helpers ---------------------------------------------------------
     def _get(self, request_id: str) -> RequestBlocks:
@@ -213,16 +273,47 @@ class KVCacheManager:
         except KeyError:
             raise KeyError(f"request {request_id!r} has no KV blocks") from None
 
-    def _new_blocks(self, num_tokens: int, draft_len: int, num_extra: int, include_drafts: bool) -> RequestBlocks:
-        return RequestBlocks(num_tokens, draft_len, num_extra, include_drafts, self.spec.tokens_per_block)
-
-    def _first_bound(self, num_computed_tokens: int, num_ordinals: int) -> dict[str, int]:
+    def _plan(self, num_tokens: int, num_computed_tokens: int, draft_len: int, num_extra: int,
+              include_drafts: bool, block_hashes: Sequence[bytes]) -> tuple[RequestBlocks, dict[str, dict[int, int]]]:
+        """A new request's sizes and first bound ordinals (tables still empty), and its cache hits."""
         B = self.spec.tokens_per_block
-        return {g.name: min(stale_end(num_computed_tokens, g.window, B), num_ordinals) for g in self.spec.groups}
+        blocks = RequestBlocks(num_tokens, draft_len, num_extra, include_drafts, B)
+        blocks.first_bound = {g.name: min(stale_end(num_computed_tokens, g.window, B), blocks.num_ordinals)
+                              for g in self.spec.groups}
+        return blocks, find_hit_pages(self.pools, blocks.first_bound, num_computed_tokens // B, block_hashes)
 
-    def _check_table(self, request_id: str, group: str, blocks: RequestBlocks) -> None:
-        table, first = blocks.tables[group], blocks.first_bound[group]
-        if len(table) != blocks.num_ordinals:
-            raise AssertionError(f"{request_id}/{group}: table has {len(table)} entries, capacity needs {blocks.num_ordinals}")
-        if any(page != UNBOUND for page in table[:first]) or any(page < 0 for page in table[first:]):
-            raise AssertionError(f"{request_id}/{group}: table {table} not -1 below {first} and bound above")
+    def _rewind_refusal(self, request_id: str, num_tokens: int) -> str | None:
+        """Why ``rewind(num_tokens)`` is refused, or None.
+
+        Kept ordinals ``[n' // B, ordinals_for(n'))`` hold positions ``>= n'``
+        that the next tokens overwrite, so none of them may hold a cached
+        block: another request could be reading it. Those beyond are unbound
+        (a cached one stays evictable, its content still matching its name).
+        """
+        blocks = self._get(request_id)
+        if not 0 <= num_tokens <= blocks.num_tokens:
+            return f"cannot rewind request {request_id!r} to {num_tokens} tokens (has {blocks.num_tokens})"
+        B = self.spec.tokens_per_block
+        for group in self.spec.groups:
+            needed = stale_end(num_tokens, group.window, B)
+            if blocks.first_bound[group.name] > needed:
+                return (f"cannot rewind request {request_id!r} to {num_tokens} tokens: group {group.name!r} "
+                        f"released ordinals below {blocks.first_bound[group.name]}, the next query needs {needed}")
+        kept = range(num_tokens // B, blocks.ordinals_for(num_tokens))
+        for name, pool in self.pools.items():
+            cached = cached_ordinals(pool, blocks.tables[name], kept)
+            if cached:
+                return (f"cannot rewind request {request_id!r} to {num_tokens} tokens: group {name!r} ordinals "
+                        f"{cached} hold cached blocks that the next tokens would overwrite")
+        return None
+
+
+def _bind(pool: PagePool, first: int, num_ordinals: int, hits: Mapping[int, int]) -> list[int]:
+    """``[-1] * first``, then per ordinal its cached page or a fresh one.
+
+    Hits are pinned before fresh pages are taken, so taking cannot evict them.
+    """
+    for page in hits.values():
+        pool.pin(page)
+    fresh = iter(pool.take(num_ordinals - first - len(hits)))
+    return [UNBOUND] * first + [hits[i] if i in hits else next(fresh) for i in range(first, num_ordinals)]

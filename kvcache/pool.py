@@ -1,15 +1,35 @@
-"""A pool of page ids for one layer group."""
+"""A reference-counted pool of page ids for one layer group, with a cache of full blocks.
+
+Every page is in exactly one state::
+
+    state        ref_count   block hash   where
+    free         0           none         the free heap (never used, or its content evicted)
+    evictable    0           yes          the LRU, oldest first; still findable by its hash
+    owned        >= 1        maybe        bound by ``ref_count`` (request, ordinal) pairs
+
+    take:     free ──────────────► owned       lowest ids first; then
+              evictable ─(evict)─► owned       least recently used first, hash dropped
+    pin:      evictable / owned ─► owned       a cache hit binds the page once more
+    release:  owned ─(last one)──► free        or evictable, when the page has a hash
+    cache:    owned, no hash ────► owned, hash
+
+``num_free`` counts free and evictable pages: both can be taken, so a
+check-then-do (``count <= num_free``, then ``take(count)``) stays right.
+"""
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
+from collections.abc import Iterable, KeysView, Mapping
 
 
 class PagePool:
-    """Free page ids of one group; hands out the lowest ids first.
+    """Pages of one group; hands out never-used pages first, the lowest ids first.
 
     Lowest-first keeps a request's pages adjacent where the pool allows, and
-    adjacent pages coalesce into one transfer descriptor.
+    adjacent pages coalesce into one transfer descriptor. Cached pages are
+    taken only when no free page is left, so caching never costs capacity.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -18,31 +38,119 @@ class PagePool:
         self.num_pages = num_pages
         self._free_heap = list(range(num_pages))
         self._is_free = [True] * num_pages
+        self._ref_count = [0] * num_pages
+        self._hash_of: list[bytes | None] = [None] * num_pages
+        self._page_of: dict[bytes, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
 
+    # -- queries ---------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free_heap)
+        """Pages ``take`` can hand out: free plus evictable."""
+        return len(self._free_heap) + len(self._evictable)
 
-    def take(self, count: int) -> list[int]:
-        """Remove ``count`` free pages from the pool, lowest ids first."""
-        if count > self.num_free:
-            raise MemoryError(f"asked for {count} pages, {self.num_free} free")
-        pages = [heapq.heappop(self._free_heap) for _ in range(count)]
-        for page in pages:
-            self._is_free[page] = False
-        return pages
-
-    def give_back(self, pages: list[int]) -> None:
-        for page in pages:
-            if not 0 <= page < self.num_pages:
-                raise ValueError(f"page {page} is outside the pool (0..{self.num_pages - 1})")
-            if self._is_free[page]:
-                raise ValueError(f"page {page} is freed twice")
-            self._is_free[page] = True
-            heapq.heappush(self._free_heap, page)
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_of)
 
     def is_free(self, page: int) -> bool:
         return self._is_free[page]
 
-    def free_pages(self) -> set[int]:
-        return set(self._free_heap)
+    def is_evictable(self, page: int) -> bool:
+        return page in self._evictable
+
+    def ref_count(self, page: int) -> int:
+        return self._ref_count[page]
+
+    def cached_page(self, block_hash: bytes) -> int | None:
+        """The page holding the block named ``block_hash``, or None."""
+        return self._page_of.get(block_hash)
+
+    def hash_of(self, page: int) -> bytes | None:
+        return self._hash_of[page]
+
+    def cached_hashes(self) -> KeysView[bytes]:
+        """Names of every cached block, owned or evictable (a live view, no copy)."""
+        return self._page_of.keys()
+
+    # -- operations ------------------------------------------------------
+    def take(self, count: int) -> list[int]:
+        """Own ``count`` pages: free ones lowest ids first, then evict the least recently used."""
+        if count > self.num_free:
+            raise MemoryError(f"asked for {count} pages, {self.num_free} free")
+        num_fresh = min(count, len(self._free_heap))
+        pages = [heapq.heappop(self._free_heap) for _ in range(num_fresh)]
+        for page in pages:
+            self._is_free[page] = False
+        pages += [self._evict_oldest() for _ in range(count - num_fresh)]
+        for page in pages:
+            self._ref_count[page] = 1
+        return pages
+
+    def pin(self, page: int) -> None:
+        """Bind a cached page once more (a cache hit): it is no longer evictable."""
+        if self._hash_of[page] is None:
+            raise ValueError(f"page {page} holds no cached block; only cached pages are shared")
+        self._evictable.pop(page, None)
+        self._ref_count[page] += 1
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Drop one binding of each page; a page nobody binds becomes evictable if cached, else free."""
+        for page in pages:
+            if not 0 <= page < self.num_pages:
+                raise ValueError(f"page {page} is outside the pool (0..{self.num_pages - 1})")
+            if self._ref_count[page] == 0:
+                raise ValueError(f"page {page} is freed twice")
+            self._ref_count[page] -= 1
+            if self._ref_count[page]:
+                continue
+            if self._hash_of[page] is not None:
+                self._evictable[page] = None  # most recently used end
+            else:
+                self._is_free[page] = True
+                heapq.heappush(self._free_heap, page)
+
+    def cache(self, page: int, block_hash: bytes) -> bool:
+        """Name an owned page's full block; False if another page already holds that block.
+
+        The first page to hold a block keeps the name; a second copy stays
+        unnamed and is freed with its request.
+        """
+        if self._ref_count[page] == 0:
+            raise ValueError(f"page {page} is not owned; only a written, bound page can be cached")
+        held = self._hash_of[page]
+        if held is not None:
+            if held != block_hash:
+                raise AssertionError(f"page {page} is cached as {held.hex()}, asked to cache {block_hash.hex()}")
+            return False
+        if block_hash in self._page_of:
+            return False
+        self._hash_of[page] = block_hash
+        self._page_of[block_hash] = page
+        return True
+
+    def _evict_oldest(self) -> int:
+        page, _ = self._evictable.popitem(last=False)
+        del self._page_of[self._hash_of[page]]
+        self._hash_of[page] = None
+        return page
+
+    # -- checks ----------------------------------------------------------
+    def check(self, num_owners: Mapping[int, int]) -> None:
+        """Raise AssertionError unless every page is free, evictable-cached, or owned by
+        exactly ``ref_count`` bindings (``num_owners[page]``, absent = 0)."""
+        for page in range(self.num_pages):
+            owners, count, name = num_owners.get(page, 0), self._ref_count[page], self._hash_of[page]
+            if owners != count:
+                raise AssertionError(f"page {page}: ref_count {count} but {owners} bindings")
+            states = [self._is_free[page], page in self._evictable, count > 0]
+            if sum(states) != 1:
+                raise AssertionError(f"page {page}: free/evictable/owned = {states}, expected exactly one")
+            if name is not None and self._page_of.get(name) != page:
+                raise AssertionError(f"page {page}: its hash {name.hex()} maps to {self._page_of.get(name)}")
+            if (self._is_free[page] or page in self._evictable) and (name is None) != self._is_free[page]:
+                raise AssertionError(f"page {page}: unowned, free={self._is_free[page]}, hash={name}")
+        if len(self._page_of) != sum(name is not None for name in self._hash_of):
+            raise AssertionError("a cached hash names a page that does not hold it")
+        if sorted(self._free_heap) != [p for p in range(self.num_pages) if self._is_free[p]]:
+            raise AssertionError("the free heap and the free flags disagree")

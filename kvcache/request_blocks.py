@@ -16,6 +16,10 @@ class RequestBlocks:
     released, or never bound); ordinals from there to the table's end are
     bound. The table length is always ``num_ordinals``, derived from the one
     capacity definition.
+
+    ``cached_ordinals[g]``: the ordinals ``allocate`` bound to cached pages
+    (their KV existed before the request). ``num_offered_blocks``: blocks below
+    it were offered to the prefix cache by ``cache_blocks`` already.
     """
 
     num_tokens: int
@@ -25,6 +29,8 @@ class RequestBlocks:
     tokens_per_block: int
     tables: dict[str, list[int]] = field(default_factory=dict)
     first_bound: dict[str, int] = field(default_factory=dict)
+    cached_ordinals: dict[str, list[int]] = field(default_factory=dict)
+    num_offered_blocks: int = 0
 
     def capacity_for(self, num_tokens: int) -> int:
         return get_kv_capacity_tokens(

@@ -10,7 +10,7 @@ Page layout (one tensor per group, see ``PageStorage``)::
                       page id    layer index in group  K/V  token slot       head          dim
 
 Everything after the page index is contiguous, so one page is one run of
-``page_nbytes`` bytes holding K and V of every layer of its group for
+bytes holding K and V of every layer of its group for
 ``tokens_per_block`` consecutive positions. Adjacent page ids are adjacent
 in memory, which is what lets a transport coalesce runs of pages.
 """
@@ -43,10 +43,6 @@ class LayerGroup:
             raise ValueError(f"LayerGroup {self.name!r} lists a layer twice")
         if self.window is not None and self.window < 1:
             raise ValueError(f"LayerGroup {self.name!r}: window must be >= 1, got {self.window}")
-
-    @property
-    def is_sliding(self) -> bool:
-        return self.window is not None
 
     @property
     def num_layers(self) -> int:
@@ -85,10 +81,6 @@ class KVCacheSpec:
 
     def page_shape(self, group: LayerGroup) -> tuple[int, ...]:
         return (group.num_layers, 2, self.tokens_per_block, self.num_kv_heads, self.head_dim)
-
-    def page_nbytes(self, group: LayerGroup) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return group.num_layers * 2 * self.tokens_per_block * self.num_kv_heads * self.head_dim * elem
 
     def describe(self) -> dict:
         """Plain summary that two peers compare in a handshake."""

@@ -2,7 +2,7 @@
 
     tensors[group]: [num_pages, num_layers_in_group, 2, B, num_kv_heads, head_dim]
 
-Page ``p`` of a group starts at ``base_address + p * page_nbytes`` and holds K
+Page ``p`` of a group starts ``p * page_nbytes`` bytes into its tensor and holds K
 and V of every layer of the group for ``B`` consecutive positions, so one
 transport descriptor moves one page, and a run of adjacent page ids is one
 run of memory. A transport registers each group's tensor once.
@@ -33,14 +33,6 @@ class PageStorage:
     def page_nbytes(self, group: str) -> int:
         tensor = self.tensors[group]
         return tensor[0].numel() * tensor.element_size()
-
-    def base_address(self, group: str) -> int:
-        return self.tensors[group].data_ptr()
-
-    def page_address(self, group: str, page_id: int) -> int:
-        if not 0 <= page_id < self.tensors[group].shape[0]:
-            raise IndexError(f"page {page_id} outside group {group!r}")
-        return self.base_address(group) + page_id * self.page_nbytes(group)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
