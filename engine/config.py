@@ -27,6 +27,8 @@ class EngineConfig:
     ``max_num_seqs`` caps the requests in one batch. ``max_model_len`` (None =
     the model's own limit) bounds prompt + output. ``num_extra_kv_tokens``
     reserves KV slots per request beyond those the drafter declares.
+    ``enable_prefix_caching`` reuses the KV of full blocks another request (or an
+    earlier turn) computed with the same prefix (kvcache.prefix).
     """
 
     model: str = "windserve-tiny"
@@ -41,6 +43,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
