@@ -49,6 +49,8 @@ class EngineConfig:
     speculative drafter used when ``max_draft_len`` > 0. ``num_extra_kv_tokens``
     reserves KV slots per request beyond those the drafter declares. ``seed``
     seeds the per-request samplers of requests that bring no seed.
+    ``enable_prefix_caching`` reuses the KV of full blocks another request (or an
+    earlier turn) computed with the same prefix (kvcache.prefix).
     """
 
     model: str = "windserve-tiny"
@@ -63,6 +65,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "float32"
     seed: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -37,7 +37,7 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from engine.stopping import StopChecker
 from engine.tokenizer import IncrementalDecoder
 from engine.worker_model import WorkerModel
-from kvcache import KVCacheManager
+from kvcache import KVCacheManager, extend_block_hashes, kv_fingerprint
 
 
 class PromptTooLongError(ValueError):
@@ -53,7 +53,9 @@ class LLMEngine:
         self.model = model or WorkerModel.load(config)
         self.tokenizer = self.model.tokenizer
         spec = kv_cache_spec(self.model.hf_config, config.tokens_per_block, self.model.dtype)
-        self.manager = KVCacheManager(spec, config.num_pages, device=self.model.device)
+        self.manager = KVCacheManager(spec, config.num_pages, device=self.model.device,
+                                      enable_prefix_caching=config.enable_prefix_caching)
+        self.hash_extra = kv_fingerprint(spec, config.model)
         drafter = make_drafter(config.drafter, config.max_draft_len) if config.max_draft_len and role != "context" else None
         self.drafter = drafter
         self.max_model_len = max_model_len(config, self.model.max_position_embeddings, draft_len=self.draft_len,
@@ -67,6 +69,8 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.num_drafts_proposed = 0
         self.num_drafts_accepted = 0
+        self.num_transfer_queried_tokens = 0  # generation side: prompt tokens it reserved for a transfer
+        self.num_transfer_hit_tokens = 0  # ... whose KV it already held
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -103,22 +107,44 @@ class LLMEngine:
         """
         self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, prefill_only=True))
 
-    def reserve_prefilled(self, request_id: str, prompt_len: int) -> bool:
-        """Bind pages for a prompt whose KV will arrive by transfer; False if the cache is full now."""
-        kwargs = dict(num_computed_tokens=prompt_len, draft_len=self.draft_len, num_extra_kv_tokens=self.num_extra_kv_tokens)
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int]) -> bool:
+        """Bind pages for a prompt whose KV will arrive by transfer; False if the cache is full now.
+
+        Blocks this cache already holds are bound from it
+        (``manager.get_cached_ordinals``): a transfer skips them.
+        """
+        prompt_len = len(prompt_token_ids)
+        kwargs = dict(num_computed_tokens=prompt_len, draft_len=self.draft_len,
+                      num_extra_kv_tokens=self.num_extra_kv_tokens, block_hashes=self._prompt_hashes(prompt_token_ids))
         if not self.manager.can_allocate(prompt_len, **kwargs):
             return False
         self.manager.allocate(request_id, prompt_len, **kwargs)
+        self.num_transfer_queried_tokens += prompt_len
+        self.num_transfer_hit_tokens += self._reused_tokens(request_id, prompt_len)
         return True
 
+    def _prompt_hashes(self, token_ids: list[int]) -> list[bytes]:
+        if not self.manager.enable_prefix_caching:
+            return []
+        return extend_block_hashes([], token_ids, self.config.tokens_per_block, self.hash_extra)
+
+    def _reused_tokens(self, request_id: str, prompt_len: int) -> int:
+        """Prompt tokens of the blocks bound from the cache, in the group that reused the most."""
+        groups = self.manager.spec.groups
+        most = max(len(self.manager.get_cached_ordinals(request_id, g.name)) for g in groups)
+        return min(prompt_len, most * self.config.tokens_per_block)
+
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
-                      first_logprob: TokenLogprob | None = None) -> list[RequestUpdate]:
+                      first_logprob: TokenLogprob | None = None, num_cached_tokens: int = 0) -> list[RequestUpdate]:
         """Start decoding a request whose prompt KV sits in the pages ``reserve_prefilled`` bound;
-        ``first_logprob``: the context side's logprob of ``first_token_id`` (with ``params.logprobs``)."""
+        ``first_logprob``: the context side's logprob of ``first_token_id`` (with ``params.logprobs``);
+        ``num_cached_tokens``: the context side's prefix-cache hit, reported in usage."""
         if self.manager.num_tokens(request_id) != len(prompt_token_ids):
             raise ValueError(f"request {request_id!r}: reserved {self.manager.num_tokens(request_id)} tokens, prompt has {len(prompt_token_ids)}")
         request = self._new_request(request_id, prompt_token_ids, params)
         request.num_computed_tokens = len(prompt_token_ids)
+        request.num_cached_tokens = num_cached_tokens
+        self.manager.cache_blocks(request_id, request.block_hashes, request.num_computed_tokens)  # the pull landed
         self.scheduler.add_running(request)
         return [self._advance(request, [first_token_id], [first_logprob])]
 
@@ -130,6 +156,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         generator = None if params.is_greedy else torch.Generator(device="cpu")
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), generator, prefill_only, seed)
+        request.block_hashes = self._prompt_hashes(request.prompt_token_ids)
         decoder = IncrementalDecoder(self.tokenizer, prompt_ids=prompt_token_ids)
         self._requests[request_id] = request
         self._stoppers[request_id] = StopChecker(request, decoder, self.tokenizer.eos_token_ids, self.max_model_len)
@@ -162,6 +189,7 @@ class LLMEngine:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
             if rows is None:  # a prefill chunk short of the prompt's end: nothing to sample yet
+                self._cache_computed(request)
                 self.manager.release_stale(request.request_id, request.num_computed_tokens)
             else:
                 updates.append(self._advance(request, *self._sample(item, rows)))
@@ -196,6 +224,7 @@ class LLMEngine:
         reason = self._stoppers[request.request_id].add_tokens(token_ids, logprobs)
         # Tokens computed past a stop are dropped: computed never exceeds the kept tokens.
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self._cache_computed(request)
         if request.prefill_only:
             self.scheduler.park(request)
             return self._update(request, before, None, self._prefill_result(request, reason))
@@ -206,6 +235,17 @@ class LLMEngine:
             self.manager.release_stale(request.request_id, request.num_computed_tokens)
         return update
 
+    def _cache_computed(self, request: Request) -> None:
+        """Name the request's full blocks whose KV is written, for later requests (and its own preemption)."""
+        if not self.manager.enable_prefix_caching:
+            return
+        B = self.config.tokens_per_block
+        if len(request.block_hashes) < request.num_tokens // B:
+            extend_block_hashes(request.block_hashes, request.all_token_ids, B, self.hash_extra)
+        # Accepted drafts are computed before the manager holds them (the next schedule appends them).
+        num_held = min(request.num_computed_tokens, self.manager.num_tokens(request.request_id))
+        self.manager.cache_blocks(request.request_id, request.block_hashes, num_held)
+
     def _prefill_result(self, request: Request, reason: FinishReason | None) -> PrefillResult:
         rid, manager = request.request_id, self.manager
         return PrefillResult(
@@ -215,6 +255,7 @@ class LLMEngine:
             first_logprob=request.output_logprobs[0],
             block_ordinals={g.name: manager.get_block_ordinals(rid, g.name) for g in manager.spec.groups},
             finish_reason=reason,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def _update(self, request: Request, before: int, reason: FinishReason | None,
@@ -230,6 +271,7 @@ class LLMEngine:
             logprobs=request.output_logprobs[before:] if request.params.logprobs is not None else None,
             num_drafts_proposed=request.num_drafts_proposed,
             num_drafts_accepted=request.num_drafts_accepted,
+            num_cached_tokens=request.num_cached_tokens,
             prefill=prefill,
         )
 
@@ -263,4 +305,15 @@ class LLMEngine:
             "num_forward_passes": self.runner.num_forward_passes,
             "num_drafts_proposed": self.num_drafts_proposed,
             "num_drafts_accepted": self.num_drafts_accepted,
+            **self._prefix_cache_stats(),
+        }
+
+    def _prefix_cache_stats(self) -> dict:
+        """Tokens looked up in the prefix cache and found, cumulative: at admission
+        (a prompt's computed part), and on the generation side for transfers."""
+        scheduler = self.scheduler
+        return {
+            "prefix_cache_queries": scheduler.num_prefix_queried_tokens + self.num_transfer_queried_tokens,
+            "prefix_cache_hits": scheduler.num_prefix_hit_tokens + self.num_transfer_hit_tokens,
+            "num_cached_blocks": self.manager.num_cached_blocks(),
         }

@@ -70,4 +70,5 @@ class LLM:
             logprobs=logprobs,
             num_drafts_proposed=updates[-1].num_drafts_proposed,
             num_drafts_accepted=updates[-1].num_drafts_accepted,
+            num_cached_tokens=updates[-1].num_cached_tokens,
         )

@@ -52,6 +52,7 @@ class PrefillResult:
     first_logprob: TokenLogprob | None
     block_ordinals: dict[str, list[int]]
     finish_reason: FinishReason | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -74,6 +75,7 @@ class RequestUpdate:
     error: str | None = None
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0
+    num_cached_tokens: int = 0
     prefill: PrefillResult | None = None
 
     @property
@@ -94,4 +96,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0
+    num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)

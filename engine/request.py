@@ -39,6 +39,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks (kvcache.hashing)
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     num_drafts_proposed: int = 0

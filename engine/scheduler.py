@@ -61,6 +61,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prefix_queried_tokens = 0  # tokens looked up in the prefix cache at admission
+        self.num_prefix_hit_tokens = 0
 
     # -- admission ------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -113,12 +115,19 @@ class Scheduler:
         return self._chunk(request, budget)
 
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
-        if not self.manager.can_allocate(request.num_tokens, **self._allocate_kwargs()):
+        """Bind the request's pages, starting at its prefix-cache hit: only the rest is computed."""
+        hit = self.manager.find_cached_prefix(request.block_hashes, request.num_tokens)
+        kwargs = dict(self._allocate_kwargs(), num_computed_tokens=hit, block_hashes=request.block_hashes)
+        if not self.manager.can_allocate(request.num_tokens, **kwargs):
             return None
-        self.manager.allocate(request.request_id, request.num_tokens, **self._allocate_kwargs())
+        self.manager.allocate(request.request_id, request.num_tokens, **kwargs)
         self.waiting.popleft()
         request.status = Status.RUNNING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = hit
+        if request.num_output_tokens == 0:  # a recompute after preemption is not the prompt's hit
+            request.num_cached_tokens = hit
+        self.num_prefix_queried_tokens += request.num_tokens
+        self.num_prefix_hit_tokens += hit
         self.running.append(request)
         return self._chunk(request, budget)
 

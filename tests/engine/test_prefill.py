@@ -76,7 +76,7 @@ def test_abort_frees_every_page_wherever_the_request_is(tiny_model, stage):
     engine = make_engine(tiny_model, role="context", tokens_per_block=B, max_num_batched_tokens=16)
     prompt = list(range(50))
     if stage == "reserved":
-        assert engine.reserve_prefilled("x", len(prompt))
+        assert engine.reserve_prefilled("x", prompt)
     elif stage == "parked":
         prefill_to_park(engine, "x", prompt)
     else:

@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engine.tiny import END_TOKEN, EOS_TOKEN, SPECIAL_TOKENS, VOCAB_SIZE, ensure_tiny_model, token_id
@@ -56,6 +56,7 @@ def test_decode_skips_special_tokens_unless_asked(tok):
 @settings(max_examples=300, deadline=None)
 @given(text=TEXT)
 def test_encode_decode_round_trips(tok, text):
+    assume(not any(special in text for special in SPECIAL_TOKENS))  # those encode to one id (test above)
     ids = tok.encode(text)
     assert ids == list(text.encode("utf-8"))
     assert tok.decode(ids) == text
