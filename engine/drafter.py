@@ -7,7 +7,8 @@ from ``get_kv_capacity_tokens`` with that number, never by hand.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 

@@ -56,7 +56,8 @@ class LLMEngine:
         self.manager = KVCacheManager(spec, config.num_pages, device=self.model.device,
                                       enable_prefix_caching=config.enable_prefix_caching)
         self.hash_extra = kv_fingerprint(spec, config.model)
-        drafter = make_drafter(config.drafter, config.max_draft_len) if config.max_draft_len and role != "context" else None
+        is_drafting = config.max_draft_len > 0 and role != "context"
+        drafter = make_drafter(config.drafter, config.max_draft_len) if is_drafting else None
         self.drafter = drafter
         self.max_model_len = max_model_len(config, self.model.max_position_embeddings, draft_len=self.draft_len,
                                            num_extra_kv_tokens=self.num_extra_kv_tokens)
@@ -140,7 +141,8 @@ class LLMEngine:
         ``first_logprob``: the context side's logprob of ``first_token_id`` (with ``params.logprobs``);
         ``num_cached_tokens``: the context side's prefix-cache hit, reported in usage."""
         if self.manager.num_tokens(request_id) != len(prompt_token_ids):
-            raise ValueError(f"request {request_id!r}: reserved {self.manager.num_tokens(request_id)} tokens, prompt has {len(prompt_token_ids)}")
+            raise ValueError(f"request {request_id!r}: reserved {self.manager.num_tokens(request_id)} tokens, "
+                             f"prompt has {len(prompt_token_ids)}")
         request = self._new_request(request_id, prompt_token_ids, params)
         request.num_computed_tokens = len(prompt_token_ids)
         request.num_cached_tokens = num_cached_tokens
@@ -155,7 +157,8 @@ class LLMEngine:
         self.check_prompt(len(prompt_token_ids))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         generator = None if params.is_greedy else torch.Generator(device="cpu")
-        request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), generator, prefill_only, seed)
+        request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), generator,
+                          prefill_only, seed)
         request.block_hashes = self._prompt_hashes(request.prompt_token_ids)
         decoder = IncrementalDecoder(self.tokenizer, prompt_ids=prompt_token_ids)
         self._requests[request_id] = request

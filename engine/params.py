@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from dataclasses import dataclass
 
 MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon
 

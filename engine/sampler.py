@@ -14,7 +14,8 @@ a seeded request's tokens do not depend on what it is batched with.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -95,7 +96,7 @@ def rejection_sample(
     uniforms = torch.rand(num_drafts, generator=generator, device=device).tolist()
     drafts = torch.tensor(list(draft_token_ids), dtype=torch.long, device=device)
     draft_probs = probs[torch.arange(num_drafts, device=device), drafts].tolist()
-    for i, draft in enumerate(draft_token_ids):
+    for i in range(len(draft_token_ids)):
         if uniforms[i] < draft_probs[i]:
             continue
         residual = probs[i].index_fill(0, drafts[i : i + 1], 0.0)

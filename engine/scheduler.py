@@ -15,8 +15,8 @@ A request leaves by ``finish`` (pages freed) or, prefill-only, by ``park``
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from engine.outputs import FinishReason
 from engine.request import Request, Status

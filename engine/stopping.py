@@ -16,7 +16,8 @@ class StopChecker:
     held back from streaming until it cannot.
     """
 
-    def __init__(self, request: Request, decoder: IncrementalDecoder, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(self, request: Request, decoder: IncrementalDecoder, eos_token_ids: tuple[int, ...],
+                 max_model_len: int) -> None:
         self.request = request
         self.decoder = decoder
         self.eos_token_ids = eos_token_ids

@@ -25,7 +25,7 @@ class WorkerModel:
     dtype: torch.dtype
 
     @classmethod
-    def load(cls, config: EngineConfig) -> "WorkerModel":
+    def load(cls, config: EngineConfig) -> WorkerModel:
         path = resolve_model_path(config.model)
         device = resolve_device(config.device)
         module = load_model(path, dtype=config.torch_dtype, device=device)

@@ -19,7 +19,7 @@ Pairs are made by ordinal: entry ``i`` of the source table goes to entry
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvcache.capacity import num_blocks
 

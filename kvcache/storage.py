@@ -10,7 +10,7 @@ run of memory. A transport registers each group's tensor once.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

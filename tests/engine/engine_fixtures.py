@@ -20,7 +20,8 @@ def make_engine(model: WorkerModel, role: str = "both", **kwargs) -> LLMEngine:
     return LLMEngine(EngineConfig(**kwargs), role=role, model=model)
 
 
-def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], max_steps: int = 5000) -> dict[str, list[int]]:
+def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                      max_steps: int = 5000) -> dict[str, list[int]]:
     """Token ids per request id ``r0, r1, ...``; every page must be free at the end."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, params_list)):

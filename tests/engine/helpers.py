@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
-from transformers import GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine.forward import ForwardBatch
 from engine.layout import kv_cache_spec
@@ -66,7 +65,7 @@ class PagedKV:
         self.tables: dict[int, dict[str, list[int]]] = {}
 
     @classmethod
-    def for_config(cls, config, tokens_per_block: int, dtype=torch.float32) -> "PagedKV":
+    def for_config(cls, config, tokens_per_block: int, dtype=torch.float32) -> PagedKV:
         return cls(kv_cache_spec(config, tokens_per_block, dtype))
 
     def prepare(self, request: int, start: int, end: int) -> None:

@@ -65,7 +65,8 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(tiny_model):
     others = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
     batched = run_to_completion(make_engine(tiny_model), [[1, 2, 3], prompt, [9] * 40], [others[0], sampled, others[1]])
     assert batched["r1"] == alone
-    unseeded = run_to_completion(make_engine(tiny_model), [prompt], SamplingParams(max_tokens=16, temperature=0.9, seed=99, ignore_eos=True))
+    other_seed = SamplingParams(max_tokens=16, temperature=0.9, seed=99, ignore_eos=True)
+    unseeded = run_to_completion(make_engine(tiny_model), [prompt], other_seed)
     assert unseeded["r0"] != alone
 
 
@@ -75,7 +76,8 @@ def test_max_tokens_stop_token_and_stop_string(tiny_model):
     assert len(free) == 12
     stop_id = free[5]
     first = free.index(stop_id)
-    stopped = run_to_completion(make_engine(tiny_model), [[72, 105]], SamplingParams(max_tokens=12, stop_token_ids=(stop_id,), ignore_eos=True))["r0"]
+    at_stop = SamplingParams(max_tokens=12, stop_token_ids=(stop_id,), ignore_eos=True)
+    stopped = run_to_completion(make_engine(tiny_model), [[72, 105]], at_stop)["r0"]
     assert stopped == free[: first + 1]
 
 

@@ -13,7 +13,8 @@ PROMPT_LENGTHS = [7, 33, 50, 71]  # around the 32-token window and 8/16-token bl
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model.path, local_files_only=True, attn_implementation="eager").eval()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model.path, local_files_only=True, attn_implementation="eager")
+    hf = hf.eval()
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     expected = []
@@ -29,7 +30,8 @@ def reference(tiny_model):
 @pytest.mark.parametrize("tokens_per_block,draft_len,budget", [(8, 0, 1024), (16, 0, 24), (8, 3, 40)])
 def test_greedy_tokens_match_transformers(tiny_model, reference, tokens_per_block, draft_len, budget):
     prompts, expected = reference
-    engine = make_engine(tiny_model, tokens_per_block=tokens_per_block, max_draft_len=draft_len, max_num_batched_tokens=budget)
+    engine = make_engine(tiny_model, tokens_per_block=tokens_per_block, max_draft_len=draft_len,
+                         max_num_batched_tokens=budget)
     got = run_to_completion(engine, prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     for i, want in enumerate(expected):
         assert got[f"r{i}"] == want, f"prompt of {len(prompts[i])} tokens diverges"

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 import engine.attention
 from engine.attention import plan_buckets

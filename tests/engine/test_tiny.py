@@ -61,7 +61,8 @@ def test_transformers_loads_model_and_tokenizer_offline(tiny_dir, hf_model, monk
     assert config.sliding_window == 32 and config.rope_parameters["rope_type"] == "yarn"
     assert (config.eos_token_id, config.bos_token_id, config.pad_token_id) == (
         tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id)
-    assert hf_model.generation_config.eos_token_id == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|end|>")]
+    end_id = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert hf_model.generation_config.eos_token_id == [tokenizer.eos_token_id, end_id]
 
 
 def test_fresh_creations_are_byte_identical(tmp_path):

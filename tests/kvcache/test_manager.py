@@ -6,7 +6,8 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache import KVCacheManager, get_kv_capacity_tokens
 from tests.kvcache.helpers import make_spec, needed_ordinals
@@ -162,8 +163,11 @@ def test_duplicate_and_unknown_requests():
     assert manager.num_free_pages() == 8
 
 
+OPS = st.sampled_from(["alloc", "append", "free", "stale"])
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from("abcd"), st.sampled_from(["alloc", "append", "free", "stale"]), st.integers(0, 20)), max_size=40))
+@given(st.lists(st.tuples(st.sampled_from("abcd"), OPS, st.integers(0, 20)), max_size=40))
 def test_random_operations_keep_every_page_owned_once(ops):
     manager = KVCacheManager(make_spec(6, 4), 12)
     for rid, op, k in ops:

@@ -3,7 +3,8 @@ and the old count-based selection is caught on the cases where it goes wrong."""
 
 import math
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache import plan_slice
 from tests.kvcache.helpers import build_pair, check_received, count_based_plan, execute

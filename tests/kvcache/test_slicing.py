@@ -6,7 +6,8 @@ from tests.kvcache.helpers import build_pair, check_received, execute
 
 def slice_ordinals(P, W, B, D, E, group):
     _, ctx, gen = build_pair(P, W, B, D, E)
-    plan = plan_slice(ctx.get_block_ordinals("req", group), gen.get_block_ordinals("req", group), P, W if group == "sliding" else None, B)
+    window = W if group == "sliding" else None
+    plan = plan_slice(ctx.get_block_ordinals("req", group), gen.get_block_ordinals("req", group), P, window, B)
     return [ordinal for ordinal, _, _ in plan], ctx, gen, plan
 
 

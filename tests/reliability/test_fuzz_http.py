@@ -23,7 +23,15 @@ from hypothesis import strategies as st
 
 from app.api import build_api
 from tests.app.fakes import ByteTokenizer, FakeBackend
-from tests.reliability.conftest import AUTH, MAX_MODEL_LEN, MODEL, Service, completion_body, wait_pages_free, wait_serving
+from tests.reliability.conftest import (
+    AUTH,
+    MAX_MODEL_LEN,
+    MODEL,
+    Service,
+    completion_body,
+    wait_pages_free,
+    wait_serving,
+)
 
 MAX_EXAMPLES = int(os.environ.get("WINDSERVE_FUZZ_EXAMPLES", "150"))
 SCHEMA = build_api(FakeBackend(), ByteTokenizer()).openapi()
@@ -86,7 +94,8 @@ def keep_fast(body: dict) -> dict:
 
 
 WRONG_TYPES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=8),
-                        st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
+                        st.lists(st.integers(), max_size=3),
+                        st.dictionaries(st.text(max_size=4), st.integers(), max_size=2))
 
 
 def mutate(route: str, body: dict, draw) -> bytes:

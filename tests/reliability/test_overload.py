@@ -14,7 +14,15 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.reliability.conftest import Service, completion_body, pages_in_use, record, wait_pages_free, wait_serving, wait_until
+from tests.reliability.conftest import (
+    Service,
+    completion_body,
+    pages_in_use,
+    record,
+    wait_pages_free,
+    wait_serving,
+    wait_until,
+)
 
 NUM_REQUESTS = 200
 MAX_LATENCY_S = 60.0

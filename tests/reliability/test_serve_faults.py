@@ -57,7 +57,8 @@ def recover(service: Service, deployment: str, killed: str) -> float:
 def test_generation_replica_killed_mid_stream(service: Service):
     assert wait_serving(service)
     body = completion_body("Hi", max_tokens=340, stream=True)
-    with service.client(timeout_s=MAX_TIME_TO_ERROR_S) as http, http.stream("POST", "/v1/completions", json=body) as reply:
+    with service.client(timeout_s=MAX_TIME_TO_ERROR_S) as http, \
+            http.stream("POST", "/v1/completions", json=body) as reply:
         assert reply.status_code == 200
         lines = reply.iter_lines()
         head = [next(lines) for _ in range(6)]  # events and their blank separators: the stream is decoding
@@ -146,7 +147,8 @@ def test_context_replica_killed_during_prefill(service: Service):
     recovery_s = recover(service, "ContextWorker", victim)
     free_s = wait_pages_free(service, timeout_s=LEASE_S + 15)
     assert free_s is not None, pages_in_use(service)
-    record("kill_context_during_prefill", requests=len(kinds), ok=kinds.count("ok"), failed_clearly=kinds.count("error"),
+    record("kill_context_during_prefill", requests=len(kinds), ok=kinds.count("ok"),
+           failed_clearly=kinds.count("error"),
            lost=0, max_request_s=round(max_s, 2), in_prefill_at_kill=seen["num_running"] + seen["num_waiting"],
            recovery_s=round(recovery_s, 1), pages_free_after_s=round(free_s, 1))
 

@@ -15,7 +15,14 @@ import pytest
 
 from bench.soak import SoakResult, soak
 from tests.reliability.conftest import (
-    API_KEY, LEASE_S, Service, pages_in_use, record, wait_pages_free, wait_serving, worker_rss_kib,
+    API_KEY,
+    LEASE_S,
+    Service,
+    pages_in_use,
+    record,
+    wait_pages_free,
+    wait_serving,
+    worker_rss_kib,
 )
 
 WARM_UP_S = 10.0
