@@ -256,6 +256,37 @@ def test_disaggregated_equals_aggregated(client, agg_client, agg_url):
     assert disagg.choices[0].message.content == agg.choices[0].message.content
 
 
+def prefix_cache_tokens(url: str) -> dict[str, tuple[float, float]]:
+    """role -> (prefix-cache queries, hits) in /metrics, summed over that role's workers."""
+    queries = metric_samples(url, "windserve_prefix_cache_queries_total")
+    hits = metric_samples(url, "windserve_prefix_cache_hits_total")
+    return {role: (sum(v for (_, r), v in queries.items() if r == role),
+                   sum(v for (_, r), v in hits.items() if r == role)) for _, role in queries}
+
+
+@pytest.mark.parametrize("mode", ["agg", "disagg"])
+def test_a_repeated_prompt_reports_cached_tokens_and_counts_hits(mode, client, agg_client, disagg_url, agg_url,
+                                                                 tokenizer):
+    """The second time, the prompt's full blocks come from the prefix cache (the context side's
+    hit when disaggregated): usage says so in OpenAI's field, and /metrics counts the lookups."""
+    url, api = (agg_url, agg_client) if mode == "agg" else (disagg_url, client)
+    role = "aggregated" if mode == "agg" else "context"
+    prompt = f"{mode}: " + "the same long system prompt, sent twice. " * 3
+    num_prompt_tokens = len(tokenizer.encode(prompt))
+    assert num_prompt_tokens > 4 * ENGINE["tokens_per_block"]
+    assert wait_until(lambda: in_flight(url) == 0, timeout_s=20)
+    before = prefix_cache_tokens(url)[role]
+    first = api.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **GREEDY)
+    chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY))
+    second = chunks[-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    block = ENGINE["tokens_per_block"]
+    assert second.prompt_tokens_details.cached_tokens == (num_prompt_tokens - 1) // block * block > 0
+    expected = (before[0] + 2 * num_prompt_tokens, before[1] + second.prompt_tokens_details.cached_tokens)
+    assert wait_until(lambda: prefix_cache_tokens(url)[role] == expected, timeout_s=10), prefix_cache_tokens(url)
+
+
 def fake_replica(name: str, free: int | None, total: int = 100):
     stats = {} if free is None else {"num_free_pages": free, "num_total_pages": total}
     return SimpleNamespace(name=name, routing_stats=stats)
