@@ -117,7 +117,7 @@ def workload_figures(runs: dict) -> dict:
 def draw_workload(plt, trace: list[RequestSpec], runs: dict, figures: dict) -> None:
     """TTFT CDFs, mean TTFT by turn, and KV bytes per request: cache on vs off."""
     turn_of = {spec.index: spec.turn for spec in trace}
-    fig, (ax_cdf, ax_turn, ax_bytes) = plt.subplots(1, 3, figsize=(14, 4))
+    _, (ax_cdf, ax_turn, ax_bytes) = plt.subplots(1, 3, figsize=(14, 4))
     for mode in MODES:
         ok = [r for r in runs[mode][0] if r.ok]
         cdf(ax_cdf, [r.ttft_s for r in ok], f"cache {mode}")
