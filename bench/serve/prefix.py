@@ -126,7 +126,7 @@ def draw_workload(plt, trace: list[RequestSpec], runs: dict, figures: dict) -> N
                  sum(turn_of[r.index] == t for r in ok) for t in turns]
         ax_turn.plot(turns, means, marker="o", label=f"cache {mode}")
     ax_cdf.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF", xscale="log")
-    ax_turn.set(xlabel="turn", ylabel="mean TTFT (ms)", title="TTFT by turn")
+    ax_turn.set(xlabel="turn", ylabel="mean TTFT (ms)", title="TTFT by turn", xticks=sorted(set(turn_of.values())))
     per_request = [figures["modes"][mode]["kv_bytes_per_request"] or 0.0 for mode in MODES]
     ax_bytes.bar([f"cache {mode}" for mode in MODES], [b / 2**20 for b in per_request], color=["C0", "C1"])
     ax_bytes.set(ylabel="MiB per request", title="KV bytes moved context -> generation")
