@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -264,6 +265,17 @@ def prefix_cache_tokens(url: str) -> dict[str, tuple[float, float]]:
                    sum(v for (_, r), v in hits.items() if r == role)) for _, role in queries}
 
 
+def settled_prefix_cache_tokens(url: str, role: str) -> tuple[float, float]:
+    """``prefix_cache_tokens`` once the workers' stats reports (every second) have caught up."""
+    latest = prefix_cache_tokens(url).get(role)
+    for _ in range(10):
+        time.sleep(1.5)
+        previous, latest = latest, prefix_cache_tokens(url).get(role)
+        if latest == previous:
+            break
+    return latest
+
+
 @pytest.mark.parametrize("mode", ["agg", "disagg"])
 def test_a_repeated_prompt_reports_cached_tokens_and_counts_hits(mode, client, agg_client, disagg_url, agg_url,
                                                                  tokenizer):
@@ -275,7 +287,7 @@ def test_a_repeated_prompt_reports_cached_tokens_and_counts_hits(mode, client, a
     num_prompt_tokens = len(tokenizer.encode(prompt))
     assert num_prompt_tokens > 4 * ENGINE["tokens_per_block"]
     assert wait_until(lambda: in_flight(url) == 0, timeout_s=20)
-    before = prefix_cache_tokens(url)[role]
+    before = settled_prefix_cache_tokens(url, role)
     first = api.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **GREEDY)
     chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True,
                                          stream_options={"include_usage": True}, **GREEDY))
