@@ -59,7 +59,8 @@ class ContextWorker(KVWorker):
         deadline = self.leases.grant(result.request_id)
         tokens_per_block = self.engine.manager.spec.tokens_per_block
         return KVHandle(self.agent_name, result.request_id, result.num_prompt_tokens, result.first_token_id,
-                        result.block_ordinals, deadline, tokens_per_block, result.first_logprob)
+                        result.block_ordinals, deadline, tokens_per_block, result.first_logprob,
+                        result.num_cached_tokens)
 
     async def abort(self, request_id: str) -> bool:
         """Stop a prefill or drop a lease; its pages are freed either way."""
@@ -95,4 +96,4 @@ class ContextWorker(KVWorker):
             await self.reap_expired()
 
     async def stats(self) -> dict:
-        return {**await super().stats(), "num_leases": len(self.leases)}
+        return {**await super().stats(), "num_leases": len(self.leases), "num_claimed_leases": self.leases.num_claimed}
