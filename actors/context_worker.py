@@ -7,6 +7,11 @@ A generation worker then, over control messages (``actors.control``):
 ``Claim`` (the lease must be live; it cannot expire under the transfer),
 pulls the pages itself, and ``Release``s them; it may ``Extend`` the lease
 while it waits for free pages. Leases that lapse are reaped: pages freed.
+
+With the prefix cache, a prompt's hit binds pages that other requests and
+leases bind too (pages are reference-counted): ending one lease drops only
+its own references, so a shared page stays put, and unwritten, while any
+other lease still holds it; once nobody does, it is evictable, not lost.
 """
 
 from __future__ import annotations
