@@ -7,7 +7,7 @@ from kvcache.hashing import NO_PARENT, block_hash, block_hashes, extend_block_ha
 from kvcache.manager import KVCacheManager
 from kvcache.pool import PagePool
 from kvcache.prefix import cached_prefix_length, longest_hit
-from kvcache.slicing import UNBOUND, KVSliceError, plan_slice, slice_range, stale_end
+from kvcache.slicing import UNBOUND, KVSliceError, plan_pull, plan_slice, slice_range, stale_end
 from kvcache.spec import KVCacheSpec, LayerGroup
 from kvcache.storage import PageStorage
 
@@ -28,6 +28,7 @@ __all__ = [
     "kv_fingerprint",
     "longest_hit",
     "num_blocks",
+    "plan_pull",
     "plan_slice",
     "slice_range",
     "stale_end",
