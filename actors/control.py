@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from actors.messages import (
     BadMessage,

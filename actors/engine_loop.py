@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from engine import LLMEngine, RequestUpdate, SamplingParams
 from engine.outputs import FinishReason, PrefillResult

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 class LeaseState(enum.Enum):

@@ -1,1 +1,2 @@
-"""Benchmarks: ``python -m bench.engine``, ``bench.transfer``, ``bench.serve`` and ``bench.soak`` (see bench/README.md)."""
+"""Benchmarks: ``python -m bench.engine``, ``bench.transfer``, ``bench.serve`` and ``bench.soak``
+(see bench/README.md)."""

@@ -201,7 +201,8 @@ def build_gptoss_model(directory: str, **overrides) -> str:
 
     cfg = {k: v for k, v in tiny_config_dict().items() if k not in ("architectures", "model_type", "dtype")}
     cfg.update(overrides)
-    cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    num_layers = cfg["num_hidden_layers"]
+    cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     with torch.random.fork_rng(devices=[]):  # seeded weights; the caller's random state stays as it was
         torch.manual_seed(0)
         GptOssForCausalLM(GptOssConfig(**cfg)).save_pretrained(directory)

@@ -54,7 +54,8 @@ class SoakResult:
 def body_of(kind: str, i: int) -> dict:
     base = {"model": MODEL, "temperature": 0, "ignore_eos": True}
     if kind == "chat":
-        return {**base, "messages": [{"role": "user", "content": f"Say something {i}"}], "max_tokens": 16, "stream": True}
+        messages = [{"role": "user", "content": f"Say something {i}"}]
+        return {**base, "messages": messages, "max_tokens": 16, "stream": True}
     prompt = LONG_PROMPT if kind == "long" else f"Request number {i}"
     max_tokens = {"short": 8, "long": 16, "stream": 32}.get(kind, 300)
     return {**base, "prompt": prompt, "max_tokens": max_tokens, "stream": kind in ("stream", "cancel")}

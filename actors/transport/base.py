@@ -228,7 +228,8 @@ class KVTransport(ABC):
                 side = "peer" if src is None else "local"
                 raise TransferError(f"group {run.group!r} is not registered on the {side} side ({run})")
             if src.page_nbytes != dst.page_nbytes:
-                raise TransferError(f"group {run.group!r}: page size {src.page_nbytes} (peer) != {dst.page_nbytes} (local)")
+                raise TransferError(f"group {run.group!r}: page size {src.page_nbytes} (peer) != "
+                                    f"{dst.page_nbytes} (local)")
             _check_range(run, run.src_page, src.num_pages, "source", peer_name)
             _check_range(run, run.dst_page, dst.num_pages, "destination", self.agent_name)
             written.append((run.group, run.dst_page, run.dst_page + run.num_pages))

@@ -11,7 +11,17 @@ import ray
 
 from bench.common import parse_args, progress, start_ray, torch_threads, write_json, write_plot
 from bench.transfer.geometry import (
-    B, DRAFTS, DTYPE_BYTES, HEAD_DIM, KV_HEADS, LAYERS, PAGE_NBYTES, W, build_model, min_slice_pages, worker_config,
+    DRAFTS,
+    DTYPE_BYTES,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    PAGE_NBYTES,
+    B,
+    W,
+    build_model,
+    min_slice_pages,
+    worker_config,
 )
 from bench.transfer.measure import Bench, measure_size, reps_for
 from bench.transfer.report import draw, print_tables
@@ -72,7 +82,8 @@ async def run(path: str, mode: dict, fixed_reps: int | None) -> dict:
         rows.append(await measure_size(bench, prompt_len, reps, prompt_len <= mode["fragmented_max"]))
         r = rows[-1]
         progress(f"  {r['bytes_moved'] / 2**20:.1f} MiB ({r['bytes_ratio']:.2f} x min), {r['pages']} pages in "
-                 f"{r['descriptors']} runs, {r['slice_gb_s']:.2f} GB/s = {r['slice_over_buffer']:.2f} x one-buffer read")
+                 f"{r['descriptors']} runs, {r['slice_gb_s']:.2f} GB/s = "
+                 f"{r['slice_over_buffer']:.2f} x one-buffer read")
     return {"cross_check": checks, "sizes": rows}
 
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from bench.common import ainterleave, median, ratio, timed
-from bench.transfer.geometry import B, PAGE_NBYTES, W, min_slice_pages, window_unaware_pages
+from bench.transfer.geometry import PAGE_NBYTES, B, W, min_slice_pages, window_unaware_pages
 from engine import SamplingParams
 
 REP_BYTES = 1 << 30  # small transfers are short and noisy: repeat each until ~1 GiB has moved, within the mode's bounds
@@ -23,7 +23,8 @@ class Bench:
 
     def __init__(self, ctx, gen, frag, buffer_source, buffer_reader, buffer_source_name: str) -> None:
         self.ctx, self.gen, self.frag = ctx, gen, frag
-        self.source, self.reader, self.source_name = buffer_source, buffer_reader, buffer_source_name  # a dropped handle ends its actor
+        # Kept: a dropped handle ends its actor.
+        self.source, self.reader, self.source_name = buffer_source, buffer_reader, buffer_source_name
         self.count = 0
 
     async def transfer(self, gen, prompt_len: int, real: bool = False, verify: bool = False) -> dict:

@@ -12,11 +12,13 @@ def draw(plt, rows: list[dict]) -> None:
     rate.plot(x, [r["buffer_gb_s"] for r in rows], "s--", label="one NIXL read, one buffer")
     rate.plot(x, [r["memcpy_gb_s"] for r in rows], "^:", label="torch memory copy")
     frag = [r for r in rows if "fragmented_gb_s" in r]
-    rate.plot([r["prompt_len"] for r in frag], [r["fragmented_gb_s"] for r in frag], "x-.", label="slice, fragmented pool")
+    rate.plot([r["prompt_len"] for r in frag], [r["fragmented_gb_s"] for r in frag], "x-.",
+              label="slice, fragmented pool")
     rate.set(xscale="log", xlabel="prompt tokens", ylabel="GB/s", title="transfer rate (median)")
     rate.legend()
     mib = 2 ** 20
-    size.plot(x, [r["bytes_window_unaware"] / mib for r in rows], "s--", label="window-unaware (every layer, whole prompt)")
+    size.plot(x, [r["bytes_window_unaware"] / mib for r in rows], "s--",
+              label="window-unaware (every layer, whole prompt)")
     size.plot(x, [r["bytes_moved"] / mib for r in rows], "o-", label="moved")
     size.plot(x, [r["bytes_min"] / mib for r in rows], "k.", label="minimum (from P, W, B)")
     size.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="MiB per request", title="bytes per request")
@@ -36,7 +38,8 @@ def print_tables(result: dict) -> None:
                  "slice/buffer", "(best)", "slice/memcpy", "frag runs", "frag/slice"],
                 [[r["prompt_len"], r["bytes_moved"] / 2**20, r["bytes_ratio"], r["window_unaware_over_moved"],
                   r["pages"], r["descriptors"], r["slice_gb_s"], r["buffer_gb_s"], r["memcpy_gb_s"],
-                  r["slice_over_buffer"], r["slice_over_buffer_best"], r["slice_over_memcpy"], r.get("fragmented_descriptors", "-"),
+                  r["slice_over_buffer"], r["slice_over_buffer_best"], r["slice_over_memcpy"],
+                  r.get("fragmented_descriptors", "-"),
                   r.get("fragmented_over_slice", "-")] for r in rows])
     print_table("real prefill vs synthetic pages", ["P", "pages", "runs", "bytes", "same"],
                 [[c["prompt_len"], c["real_num_pages"], c["real_num_descriptors"], c["real_num_bytes"], c["same"]]

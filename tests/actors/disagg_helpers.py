@@ -64,7 +64,8 @@ def prompts_sharing_prefixes(n: int, seed: int) -> tuple[list[list[int]], list[l
     return first, second
 
 
-async def disagg_request(ctx, gen, request_id: str, prompt: list[int], params: SamplingParams, handle=None) -> list[int]:
+async def disagg_request(ctx, gen, request_id: str, prompt: list[int], params: SamplingParams,
+                         handle=None) -> list[int]:
     """Prefill on ``ctx`` (unless a handle is given), decode on ``gen``; the generated tokens."""
     return (await disagg_usage(ctx, gen, request_id, prompt, params, handle))[0]
 

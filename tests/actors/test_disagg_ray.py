@@ -7,15 +7,19 @@ import time
 
 import pytest
 import ray
-
-from bench.common import start_ray
 import torch
 
 from actors.leases import LeaseDenied
-from engine import SamplingParams
 from actors.peers import PeerNotFoundError, lookup
+from bench.common import start_ray
+from engine import SamplingParams
 from tests.actors.disagg_helpers import (
-    RemoteContext, RemoteGeneration, disagg_request, prompts_sharing_prefixes, random_prompts, started,
+    RemoteContext,
+    RemoteGeneration,
+    disagg_request,
+    prompts_sharing_prefixes,
+    random_prompts,
+    started,
     worker_config,
 )
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
@@ -76,7 +80,8 @@ def test_seeded_sampling_disaggregated_equals_aggregated(ray_session, tiny_model
     """Draws depend on (seed, output index) only, so the context worker sampling the
     first token and the generation worker the rest gives the aggregated tokens."""
     prompts = random_prompts(6, seed=5)
-    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+              for i in range(6)]
     expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, params)
     ctx, gen = started(RemoteContext.remote(worker_config()), RemoteGeneration.remote(worker_config()))
 
@@ -94,7 +99,8 @@ def test_pages_land_at_their_ordinals_and_nowhere_else(ray_session):
     async def main():
         prompt = list(range(30, 30 + 70))  # window 32, blocks of 8: stale blocks, a partial last block
         handle = await ctx.prefill.remote("p", prompt, GREEDY)
-        src = {g: await ctx.read_pages.remote(g, [max(p, 0) for p in table]) for g, table in handle.block_ordinals.items()}
+        src = {g: await ctx.read_pages.remote(g, [max(p, 0) for p in table])
+               for g, table in handle.block_ordinals.items()}
         record = await gen.receive_kv.remote(handle)
         dst_tables = await gen.block_ordinals.remote("p")
         checks = []
@@ -107,7 +113,7 @@ def test_pages_land_at_their_ordinals_and_nowhere_else(ray_session):
     record, checks, pages = asyncio.run(main())
     B, P, window = 8, 70, {"sliding": 32, "full": None}
     expected_bytes = 0
-    for group, src_table, dst_table, src, got in checks:
+    for group, _src_table, dst_table, src, got in checks:
         first = 0 if window[group] is None else (P + 1 - window[group]) // B
         last = -(-P // B)
         for ordinal, dst_page in enumerate(dst_table):
@@ -160,7 +166,7 @@ def test_abort_at_each_stage_frees_both_sides(ray_session):
         while (await ctx.stats.remote())["num_running"] == 0:
             await asyncio.sleep(0.01)
         assert await ctx.abort.remote("a")
-        with pytest.raises(Exception):
+        with pytest.raises(RuntimeError, match="prefill of 'a' failed: abort"):
             await task
         # after prefill, before transfer
         await ctx.prefill.remote("b", list(range(50)), GREEDY)

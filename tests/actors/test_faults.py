@@ -11,10 +11,13 @@ import pytest
 import ray
 
 from bench.common import start_ray
-
 from engine import SamplingParams
 from tests.actors.disagg_helpers import (
-    RemoteContext, RemoteGeneration, disagg_request, started, worker_config,
+    RemoteContext,
+    RemoteGeneration,
+    disagg_request,
+    started,
+    worker_config,
 )
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -79,7 +82,8 @@ def test_failed_transfer_is_clear_and_frees_both_sides(ray_session):
         broken = dict(handle.block_ordinals)
         broken["full"] = [10_000] * len(broken["full"])  # pages the context side does not have
         with pytest.raises(Exception, match="TransferError|outside|range|pages"):
-            await disagg_request(None, gen, "bad", prompt, GREEDY, handle=dataclasses.replace(handle, block_ordinals=broken))
+            broken_handle = dataclasses.replace(handle, block_ordinals=broken)
+            await disagg_request(None, gen, "bad", prompt, GREEDY, handle=broken_handle)
         await asyncio.sleep(0.3)  # the release notification reaches the context worker
         return await all_free(ctx), await all_free(gen)
 

@@ -20,7 +20,13 @@ from bench.common import start_ray
 from engine import SamplingParams
 from kvcache import stale_end
 from tests.actors.disagg_helpers import (
-    RemoteContext, RemoteGeneration, disagg_request, disagg_usage, run_in_order, started, worker_config,
+    RemoteContext,
+    RemoteGeneration,
+    disagg_request,
+    disagg_usage,
+    run_in_order,
+    started,
+    worker_config,
 )
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
 

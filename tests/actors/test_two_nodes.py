@@ -9,10 +9,14 @@ import ray
 from ray.cluster_utils import Cluster
 
 from bench.common import start_ray
-
 from engine import SamplingParams
 from tests.actors.disagg_helpers import (
-    RemoteContext, RemoteGeneration, disagg_request, random_prompts, started, worker_config,
+    RemoteContext,
+    RemoteGeneration,
+    disagg_request,
+    random_prompts,
+    started,
+    worker_config,
 )
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
 
@@ -36,7 +40,8 @@ def node_of(actor) -> str:
 def test_context_and_generation_on_different_nodes(two_nodes, tiny_model):
     on_context_node = RemoteContext.options(resources={"context_node": 0.5})
     on_generation_node = RemoteGeneration.options(resources={"generation_node": 0.5})
-    ctx, gen = started(on_context_node.remote(worker_config()), on_generation_node.remote(worker_config(max_draft_len=2)))
+    ctx, gen = started(on_context_node.remote(worker_config()),
+                       on_generation_node.remote(worker_config(max_draft_len=2)))
     assert node_of(ctx) != node_of(gen)
     prompts = random_prompts(12, seed=11)
     expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, GREEDY)
