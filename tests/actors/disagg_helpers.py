@@ -98,3 +98,12 @@ def run_in_order(engine, prompts: list[list[int]], params: SamplingParams) -> li
         out.append((tokens, num_cached_tokens))
     return out
 
+
+async def free_pages(*workers) -> list[tuple[int, int]]:
+    """(free, total) pages per worker, after its integrity check: every page free or evictable at rest."""
+    out = []
+    for worker in workers:
+        await worker.check_integrity.remote()
+        stats = await worker.stats.remote()
+        out.append((stats["num_free_pages"], stats["num_total_pages"]))
+    return out

@@ -17,6 +17,7 @@ from tests.actors.disagg_helpers import (
     RemoteContext,
     RemoteGeneration,
     disagg_request,
+    free_pages,
     prompts_sharing_prefixes,
     random_prompts,
     started,
@@ -32,15 +33,6 @@ def ray_session():
     start_ray(num_cpus=2)
     yield
     ray.shutdown()
-
-
-async def free_pages(*workers) -> list[tuple[int, int]]:
-    out = []
-    for worker in workers:
-        await worker.check_integrity.remote()
-        stats = await worker.stats.remote()
-        out.append((stats["num_free_pages"], stats["num_total_pages"]))
-    return out
 
 
 def assert_all_free(pages):

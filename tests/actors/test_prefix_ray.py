@@ -24,6 +24,7 @@ from tests.actors.disagg_helpers import (
     RemoteGeneration,
     disagg_request,
     disagg_usage,
+    free_pages,
     run_in_order,
     started,
     worker_config,
@@ -64,15 +65,6 @@ async def slice_pages(worker, tables: dict[str, list[int]], P: int) -> dict[str,
     return {g: await worker.read_pages.remote(g, [tables[g][i] for i in slice_ordinals(g, P)]) for g in WINDOW}
 
 
-async def all_free(*workers) -> list[tuple[int, int]]:
-    out = []
-    for worker in workers:
-        await worker.check_integrity.remote()
-        stats = await worker.stats.remote()
-        out.append((stats["num_free_pages"], stats["num_total_pages"]))
-    return out
-
-
 async def pull(ctx, gen, rid: str, prompt: list[int]):
     """Prefill on ``ctx``, then only the handoff on ``gen``: its ReadStats, and whether every page
     at a slice ordinal on ``gen`` (pulled or reused) holds what the context side holds there."""
@@ -106,7 +98,7 @@ def test_bytes_moved_are_the_slice_blocks_the_generation_side_lacks(ray_session,
         usage += [result, await disagg_usage(ctx, gen, "h0", head, GREEDY)]
         num_bytes["forked"], result = await moved(gen, disagg_usage(ctx, gen, "h1", forked, GREEDY))
         await asyncio.sleep(0.2)  # the last release reaches the context worker
-        return size, again, num_bytes, usage + [result], await all_free(ctx, gen)
+        return size, again, num_bytes, usage + [result], await free_pages(ctx, gen)
 
     size, (again, intact), num_bytes, usage, pages = asyncio.run(main())
     # Repeated prompt, P = 70: blocks 0..7 are held (full 0..7; window 4..7 from stale_end(70) = 4);
@@ -151,7 +143,7 @@ def test_an_abort_mid_transfer_leaves_a_shared_prefix_intact_for_the_others(ray_
         await gen.abort.remote("B")
         await ctx.abort.remote("D")
         await asyncio.sleep(0.2)
-        return handles, want_b, got_b, tokens_c, await all_free(ctx, gen)
+        return handles, want_b, got_b, tokens_c, await free_pages(ctx, gen)
 
     handles, want_b, got_b, tokens_c, pages = asyncio.run(main())
     tables = {name: handle.block_ordinals["full"] for name, handle in handles.items()}
