@@ -38,9 +38,9 @@ from app.api import build_api
 from app.config import AppConfig
 from app.routing import ROUTER_PATH
 from app.serve_backend import ServeBackend
+from engine.model_registry import resolve_model_path
 from engine.outputs import RequestUpdate
 from engine.params import SamplingParams
-from engine.tiny import resolve_model_path
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

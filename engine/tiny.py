@@ -26,7 +26,6 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from engine.loader import ModelLoadError
 from engine.models import build_model
 
 TINY_MODEL_NAME = "windserve-tiny"
@@ -242,15 +241,3 @@ def ensure_tiny_model(cache_dir: str | None = None) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
-
-def resolve_model_path(name_or_path: str) -> str:
-    """``windserve-tiny`` -> its cache directory; a local directory -> itself. Nothing is downloaded."""
-    if name_or_path == TINY_MODEL_NAME:
-        return ensure_tiny_model()
-    path = os.path.abspath(os.path.expanduser(name_or_path))
-    if os.path.isdir(path):
-        return path
-    raise ModelLoadError(
-        f"model {name_or_path!r} is neither {TINY_MODEL_NAME!r} nor an existing local directory; "
-        "windserve loads only local Hugging Face-format directories (no hub downloads)"
-    )

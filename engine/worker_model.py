@@ -8,7 +8,7 @@ import torch
 
 from engine.config import EngineConfig, resolve_device
 from engine.loader import load_config, load_model
-from engine.tiny import resolve_model_path
+from engine.model_registry import resolve_model_path
 from engine.tokenizer import Tokenizer
 
 

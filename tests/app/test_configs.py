@@ -20,7 +20,7 @@ from app.serve_app import (
     build_app,
 )
 from engine.config import EngineConfig
-from engine.tiny import resolve_model_path
+from engine.model_registry import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from engine.loader import ModelLoadError
+from engine.model_registry import resolve_model_path
 from engine.tiny import (
     TINY_MODEL_DIRNAME,
     TINY_MODEL_NAME,
     ensure_tiny_model,
     param_shapes,
-    resolve_model_path,
     tiny_config_dict,
 )
 

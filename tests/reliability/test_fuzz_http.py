@@ -247,7 +247,7 @@ def test_logprobs_of_the_first_token_cross_from_the_context_side(service: Servic
 
 def test_edges_the_fuzzer_found_are_400_or_200(service: Service):
     """Found by the fuzzer: a token id past the vocabulary, a subnormal temperature or top_p were 500s."""
-    from engine.tiny import resolve_model_path
+    from engine.model_registry import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     vocab_size = Tokenizer(resolve_model_path(MODEL)).vocab_size
