@@ -24,6 +24,7 @@ from pydantic.dataclasses import dataclass
 
 from actors.config import WorkerConfig
 from engine.config import check_at_least, max_model_len
+from engine.model_registry import short_model_name
 
 API_KEY_ENV = "WINDSERVE_API_KEY"
 
@@ -35,12 +36,15 @@ class AppConfig(WorkerConfig):
     ``api_key``: required as ``Authorization: Bearer`` on every ``/v1`` route;
     when unset (or None), read from $WINDSERVE_API_KEY. ``max_queue``: at most
     this many generation requests in flight per ingress replica (app.middleware);
-    None admits everything.
+    None admits everything. ``served_model_name`` (vLLM's name for it): the model
+    id that ``/v1/models`` lists and requests name; None: the model's short name
+    (``served_model`` below).
     """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
     api_key: str | None = Field(None, validate_default=True)
     max_queue: int | None = None
+    served_model_name: str | None = None
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -56,6 +60,14 @@ class AppConfig(WorkerConfig):
             raise ValueError("api_key must be non-empty (leave it unset to turn the check off)")
         if self.max_queue is not None:
             check_at_least(self, ("max_queue",), 0)
+        if self.served_model_name is not None and not self.served_model_name:
+            raise ValueError("served_model_name must be non-empty (leave it unset for the model's short name)")
+
+    @property
+    def served_model(self) -> str:
+        """What clients call the model: ``served_model_name``, else ``windserve-tiny`` for
+        ``model: windserve-tiny`` and ``Qwen2-0.5B`` for ``model: /models/Qwen2-0.5B/``."""
+        return self.served_model_name or short_model_name(self.model)
 
     @classmethod
     def model_validate(cls, args: dict[str, Any] | None) -> AppConfig:

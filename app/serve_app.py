@@ -191,7 +191,7 @@ class Ingress:
         self.config = config
         self.tokenizer = Tokenizer(model_path)
         max_model_len = config.serving_max_model_len(model_path)
-        self.backend = ServeBackend(model_name=config.model, max_model_len=max_model_len, board=board, **workers)
+        self.backend = ServeBackend(model_name=config.served_model, max_model_len=max_model_len, board=board, **workers)
 
     def __serve_build_asgi_app__(self):
         config = self.config

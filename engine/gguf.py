@@ -97,14 +97,21 @@ def converted_dirname(path: str) -> str:
 
 
 def ensure_converted(path: str, cache_dir: str) -> str:
-    """The Hugging Face folder of the GGUF file at ``path``, converting it on first use."""
+    """The Hugging Face folder of the GGUF file at ``path``, converting it on first use.
+
+    A folder already in the cache is returned without reading the file again
+    (its name pins the file's identity); otherwise the header is checked first,
+    so an unsupported or corrupt file fails before transformers is involved.
+    """
     path = os.path.abspath(os.path.expanduser(path))
-    header = read_header(path)
-    check_supported(header, path)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"GGUF file {path!r} does not exist")
     parent = os.path.join(os.path.abspath(cache_dir), "gguf")
     target = os.path.join(parent, converted_dirname(path))
     if os.path.isdir(target):
         return target
+    header = read_header(path)
+    check_supported(header, path)
     os.makedirs(parent, exist_ok=True)
     with _locked(target + ".lock"):
         if not os.path.isdir(target):  # another process may have converted it while this one waited

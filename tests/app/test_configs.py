@@ -39,6 +39,23 @@ def test_the_three_configs_exist():
     assert {p.name for p in CONFIGS} >= {"disagg.yaml", "aggregated.yaml", "cluster.yaml"}
 
 
+def test_smollm2_config_serves_the_real_model_disaggregated():
+    assert ROOT / "configs" / "smollm2.yaml" in CONFIGS  # so the checks of every config above cover it
+    config = AppConfig.model_validate(serve_config(ROOT / "configs" / "smollm2.yaml").applications[0].args)
+    assert (config.mode, config.model, config.served_model) == ("disagg", "smollm2-135m-instruct",
+                                                                "smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize("args, served", [
+    ({}, "windserve-tiny"),
+    ({"model": "/models/Qwen2-0.5B-Instruct/"}, "Qwen2-0.5B-Instruct"),
+    ({"model": "~/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"}, "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ({"model": "/models/Qwen2-0.5B-Instruct", "served_model_name": "qwen"}, "qwen"),
+])
+def test_served_model_name_defaults_to_the_short_name(args, served):
+    assert AppConfig.model_validate(args).served_model == served
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads_through_serve_and_app_config(path):
     for app in serve_config(path).applications:
@@ -124,7 +141,7 @@ def test_every_worker_and_engine_knob_is_reachable_from_the_args():
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)} - engine_fields
     app_fields = {f.name for f in dataclasses.fields(AppConfig)} - engine_fields - worker_fields
-    assert app_fields == {"mode", "api_key", "max_queue"}
+    assert app_fields == {"mode", "api_key", "max_queue", "served_model_name"}
     assert {"claim_s", "transfer_timeout_s", "reserve_timeout_s", "torch_threads"} <= worker_fields
     assert {"drafter", "num_extra_kv_tokens", "seed"} <= engine_fields
     args = {"drafter": "none", "num_extra_kv_tokens": 3, "seed": 7, "claim_s": 9, "transfer_timeout_s": 11,
@@ -166,6 +183,7 @@ def test_serving_max_model_len_counts_the_configured_scratch():
     ({"claim_s": 0}, "claim_s must be greater than 0"),
     ({"torch_threads": 0}, "greater than or equal to 1"),
     ({"dtype": "int8"}, "dtype must be one of"),
+    ({"served_model_name": ""}, "served_model_name must be non-empty"),
 ])
 def test_app_config_rejects_with_a_clear_error(args, message):
     with pytest.raises(ValidationError, match=re.escape(message)):
