@@ -1,8 +1,8 @@
 """GGUF checkpoints (llama.cpp's one-file format) turned, once, into a Hugging Face folder.
 
-    model.gguf ──read_header()──► supported architecture? ──transformers' GGUF loader──► a cache folder
-                (no tensor data     llama, mistral, qwen2;     (dequantizes every tensor
-                 is read)           else a ModelLoadError)      to float32)
+    model.gguf ──read_architecture()──► supported? ──transformers' GGUF loader──► a cache folder
+                (no tensor data is      llama, qwen2;    (dequantizes every tensor
+                 dequantized)           else an error)    to float32)
 
     <cache>/gguf/<file stem>-<key>/     key: this converter's version, the file's real path, size, mtime
         config.json  generation_config.json  model.safetensors  tokenizer.json  tokenizer_config.json ...
@@ -23,30 +23,23 @@ import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from typing import NamedTuple
 
 from engine.loader import ModelLoadError
 
 GGUF_SUFFIX = ".gguf"
 CONVERTER_VERSION = 1  # bump when the folder written for the same file changes
-# GGUF general.architecture -> the transformers architecture the folder's config names.
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# The GGUF general.architecture values converted. llama.cpp writes Mistral models as ``llama`` (the
+# same dense decoder; it runs them with full attention) and they convert to LlamaForCausalLM.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 INSTALL_HINT = "pip install gguf accelerate"
-
-
-class GGUFHeader(NamedTuple):
-    """What windserve reads of a GGUF file before converting it."""
-
-    architecture: str
-    sliding_window: int | None  # ``<arch>.attention.sliding_window``; None: full attention, as llama.cpp reads it
 
 
 def is_gguf_path(name_or_path: str) -> bool:
     return name_or_path.lower().endswith(GGUF_SUFFIX)
 
 
-def read_header(path: str) -> GGUFHeader:
-    """The file's architecture and window; ModelLoadError when it is missing, corrupt or truncated.
+def read_architecture(path: str) -> str:
+    """The file's general.architecture; ModelLoadError when it is missing, corrupt or truncated.
 
     gguf's reader checks the magic and maps every tensor's bytes, so a file
     cut short fails here, before any conversion.
@@ -60,8 +53,7 @@ def read_header(path: str) -> GGUFHeader:
     except Exception as e:  # the reader parses untrusted bytes: any failure means "not a readable GGUF"
         raise ModelLoadError(f"{path!r} is not a readable GGUF file (corrupt or truncated?): "
                              f"{type(e).__name__}: {e}") from e
-    window = reader.fields.get(f"{architecture}.attention.sliding_window")
-    return GGUFHeader(architecture, None if window is None else int(window.contents()))
+    return architecture
 
 
 def _reader_class():
@@ -79,12 +71,11 @@ def _string_field(reader, key: str) -> str:
     return str(field.contents())
 
 
-def check_supported(header: GGUFHeader, path: str) -> str:
-    """The transformers architecture of a supported GGUF architecture, else a ModelLoadError naming it."""
-    if header.architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path!r}: GGUF architecture {header.architecture!r} is not supported; "
-                             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
-    return SUPPORTED_ARCHITECTURES[header.architecture]
+def check_supported(architecture: str, path: str) -> None:
+    """ModelLoadError naming the file's architecture unless windserve converts it."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path!r}: GGUF architecture {architecture!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)} (Mistral models are written as llama)")
 
 
 def converted_dirname(path: str) -> str:
@@ -110,12 +101,11 @@ def ensure_converted(path: str, cache_dir: str) -> str:
     target = os.path.join(parent, converted_dirname(path))
     if os.path.isdir(target):
         return target
-    header = read_header(path)
-    check_supported(header, path)
+    check_supported(read_architecture(path), path)
     os.makedirs(parent, exist_ok=True)
     with _locked(target + ".lock"):
         if not os.path.isdir(target):  # another process may have converted it while this one waited
-            _write_atomically(target, lambda tmp: convert(path, header, tmp))
+            _write_atomically(target, lambda tmp: convert(path, tmp))
     return target
 
 
@@ -143,7 +133,7 @@ def _write_atomically(target: str, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def convert(path: str, header: GGUFHeader, directory: str) -> None:
+def convert(path: str, directory: str) -> None:
     """Dequantize ``path`` with transformers' GGUF loader and save it as a Hugging Face folder.
 
     transformers refuses to ``save_pretrained`` a model it loaded from GGUF
@@ -153,11 +143,9 @@ def convert(path: str, header: GGUFHeader, directory: str) -> None:
     """
     tokenizer, model = _load_with_transformers(path)
     config = model.config
-    config.architectures = [check_supported(header, path)]
+    config.architectures = [type(model).__name__]
     if hasattr(config, "quantization_config"):  # GGUF's marker; the saved float32 weights are plain
         del config.quantization_config
-    if header.architecture == "mistral":
-        config.sliding_window = header.sliding_window  # transformers leaves its 4096 default otherwise
     tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
