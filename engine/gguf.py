@@ -20,11 +20,10 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 
 from engine.loader import ModelLoadError
+from engine.model_cache import write_atomically
 
 GGUF_SUFFIX = ".gguf"
 CONVERTER_VERSION = 1  # bump when the folder written for the same file changes
@@ -105,7 +104,7 @@ def ensure_converted(path: str, cache_dir: str) -> str:
     os.makedirs(parent, exist_ok=True)
     with _locked(target + ".lock"):
         if not os.path.isdir(target):  # another process may have converted it while this one waited
-            _write_atomically(target, lambda tmp: convert(path, tmp))
+            write_atomically(target, lambda tmp: convert(path, tmp))
     return target
 
 
@@ -117,20 +116,6 @@ def _locked(lock_path: str):
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _write_atomically(target: str, write) -> None:
-    """``write(tmp)`` into a private folder next to ``target``, then rename it into place."""
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=os.path.dirname(target))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
-        write(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        if not os.path.isdir(target):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def convert(path: str, directory: str) -> None:

