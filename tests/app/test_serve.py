@@ -20,7 +20,6 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from app.routing import rank_replicas
 from app.serve_app import build_app
 from bench.common import start_ray
 from engine.tiny import resolve_model_path
@@ -254,18 +253,3 @@ def test_disaggregated_equals_aggregated(client, agg_client, agg_url):
     disagg = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
     agg = agg_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
     assert disagg.choices[0].message.content == agg.choices[0].message.content
-
-
-def fake_replica(name: str, free: int | None, total: int = 100):
-    stats = {} if free is None else {"num_free_pages": free, "num_total_pages": total}
-    return SimpleNamespace(name=name, routing_stats=stats)
-
-
-def test_router_prefers_free_pages_among_the_less_loaded():
-    replicas = [fake_replica("a", 90), fake_replica("b", 10), fake_replica("c", 99), fake_replica("d", None)]
-    queue = {"a": 1, "b": 0, "c": 5, "d": None}
-    ranks = rank_replicas(replicas, lambda r: queue[r.name], queue_slack=1)
-    # c has the most free pages but the longest queue; d has not reported (unknown = less loaded, ranked last).
-    assert [[r.name for r in rank] for rank in ranks] == [["a"], ["b"], ["d"], ["c"]]
-    ranks = rank_replicas(replicas, lambda r: queue[r.name], queue_slack=5)
-    assert [r.name for rank in ranks for r in rank] == ["c", "a", "b", "d"]
