@@ -7,6 +7,11 @@ A generation worker then, over control messages (``actors.control``):
 ``Claim`` (the lease must be live; it cannot expire under the transfer),
 pulls the pages itself, and ``Release``s them; it may ``Extend`` the lease
 while it waits for free pages. Leases that lapse are reaped: pages freed.
+
+With the prefix cache, a prompt's hit binds pages that other requests and
+leases bind too (pages are reference-counted): ending one lease drops only
+its own references, so a shared page stays put, and unwritten, while any
+other lease still holds it; once nobody does, it is evictable, not lost.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ class ContextWorker(KVWorker):
         deadline = self.leases.grant(result.request_id)
         tokens_per_block = self.engine.manager.spec.tokens_per_block
         return KVHandle(self.agent_name, result.request_id, result.num_prompt_tokens, result.first_token_id,
-                        result.block_ordinals, deadline, tokens_per_block, result.first_logprob)
+                        result.block_ordinals, deadline, tokens_per_block, result.first_logprob,
+                        result.num_cached_tokens)
 
     async def abort(self, request_id: str) -> bool:
         """Stop a prefill or drop a lease; its pages are freed either way."""
@@ -95,4 +101,4 @@ class ContextWorker(KVWorker):
             await self.reap_expired()
 
     async def stats(self) -> dict:
-        return {**await super().stats(), "num_leases": len(self.leases)}
+        return {**await super().stats(), "num_leases": len(self.leases), "num_claimed_leases": self.leases.num_claimed}

@@ -1,9 +1,14 @@
 """Generation (decode) worker: receives a prompt's windowed KV slice and decodes.
 
-    generate(handle) ─► reserve capacity (get_kv_capacity_tokens, via the engine)
-                     ─► Claim the context lease ─► plan_slice per group ─► coalesce
+    generate(handle) ─► reserve capacity (get_kv_capacity_tokens, via the engine;
+                        blocks our prefix cache holds are bound from it)
+                     ─► Claim the context lease ─► plan_pull per group ─► coalesce
                      ─► transport.read (pull) ─► Release the context pages
                      ─► add to the engine ─► decode with continuous batching + drafts, streaming updates
+
+Only the slice ordinals we lack travel: ``plan_pull`` drops, by ordinal,
+those our reservation bound from the local cache, so a repeated prompt
+moves only its partial last block (and any block evicted here since).
 
 Everything before decoding is the request's *handoff*, with one cleanup: on
 any failure or cancel (an ``abort`` of a request in handoff cancels it), a
@@ -25,7 +30,7 @@ from actors.messages import Claim, Extend, KVHandle, Release
 from actors.transport import PageRun, ReadStats, coalesce
 from actors.worker_base import KVWorker
 from engine import RequestUpdate, SamplingParams
-from kvcache import plan_slice
+from kvcache import plan_pull
 
 
 class TransferFailed(RuntimeError):
@@ -53,21 +58,24 @@ class GenerationWorker(KVWorker):
         """reserve ─► claim ─► pull ─► release ─► add ─► stream the request's updates."""
         rid = handle.request_id
         async with self._handoff(handle) as handoff:
-            if len(prompt_token_ids) != handle.prompt_len:
-                raise TransferFailed(f"request {rid!r}: handle says {handle.prompt_len} prompt tokens, "
-                                     f"got {len(prompt_token_ids)}")
-            await self._transfer(handoff, handle)  # reserve, claim, pull, release
+            await self._transfer(handoff, handle, prompt_token_ids)  # reserve, claim, pull, release
             queue = self.loop.watch(rid)
             updates = await self.loop.call(self.engine.add_prefilled, rid, prompt_token_ids, handle.first_token_id,
-                                           params, handle.first_logprob)
+                                           params, handle.first_logprob, handle.num_cached_tokens)
         self.loop.deliver(updates)
         async for update in self.loop.stream(rid, queue):
             yield update
 
-    async def receive_kv(self, handle: KVHandle) -> ReadStats:
-        """The handoff without decoding (tests, benchmarks): the pages stay bound, ``abort`` frees them."""
+    async def receive_kv(self, handle: KVHandle, prompt_token_ids: list[int] | None = None) -> ReadStats:
+        """The handoff without decoding (tests, benchmarks): the pages stay bound, ``abort`` frees them.
+
+        With ``prompt_token_ids``, blocks our cache holds are reused as ``generate`` reuses them;
+        without (a benchmark's synthetic pages), the whole slice is pulled.
+        """
+        if prompt_token_ids is None:
+            prompt_token_ids = _matching_nothing(handle.prompt_len)
         async with self._handoff(handle) as handoff:
-            return await self._transfer(handoff, handle)
+            return await self._transfer(handoff, handle, prompt_token_ids)
 
     async def abort(self, request_id: str) -> bool:
         """A request in handoff is cancelled (its cleanup frees the pages once no read is in flight)."""
@@ -105,10 +113,13 @@ class GenerationWorker(KVWorker):
     def _end(self, request_id: str) -> None:
         self._handoffs.pop(request_id).over.set()
 
-    async def _transfer(self, handoff: Handoff, handle: KVHandle) -> ReadStats:
+    async def _transfer(self, handoff: Handoff, handle: KVHandle, prompt_token_ids: list[int]) -> ReadStats:
         """reserve ─► claim ─► pull ─► release."""
+        if len(prompt_token_ids) != handle.prompt_len:
+            raise TransferFailed(f"request {handle.request_id!r}: handle says {handle.prompt_len} prompt tokens, "
+                                 f"got {len(prompt_token_ids)}")
         await self.loop.call(self.engine.check_prompt, handle.prompt_len)
-        await self._reserve(handle)
+        await self._reserve(handle, prompt_token_ids)
         await self.control.ask(handle.context_agent, Claim(handle.request_id),
                                timeout_s=self.config.transfer_timeout_s)
         stats = await self._pull(handoff, handle)
@@ -121,22 +132,24 @@ class GenerationWorker(KVWorker):
         except Exception:
             pass  # the context worker is gone; its pages went with it
 
-    async def _reserve(self, handle: KVHandle) -> None:
-        """Bind pages for the prompt; while the cache is full, extend the context lease and wait."""
+    async def _reserve(self, handle: KVHandle, prompt_token_ids: list[int]) -> None:
+        """Bind pages for the prompt, cached blocks from our cache; while the cache is full,
+        extend the context lease and wait."""
         deadline = time.monotonic() + self.config.reserve_timeout_s
-        while not await self.loop.call(self.engine.reserve_prefilled, handle.request_id, handle.prompt_len):
+        while not await self.loop.call(self.engine.reserve_prefilled, handle.request_id, prompt_token_ids):
             if time.monotonic() > deadline:
                 raise TransferFailed(f"no free KV pages for request {handle.request_id!r} within {self.config.reserve_timeout_s}s")
             self.control.tell(handle.context_agent, Extend(handle.request_id, self.config.lease_s))
             await asyncio.sleep(0.05)
 
     def _plan(self, handle: KVHandle) -> tuple[list[PageRun], int]:
-        """Coalesced runs of the windowed slice, and the slice's bytes."""
-        manager = self.engine.manager
+        """Coalesced runs of the slice ordinals we lack, and their bytes."""
+        manager, rid = self.engine.manager, handle.request_id
         runs, num_bytes = [], 0
         for group in manager.spec.groups:
-            pairs = plan_slice(handle.block_ordinals[group.name], manager.get_block_ordinals(handle.request_id, group.name),
-                               handle.prompt_len, group.window, manager.spec.tokens_per_block)
+            pairs = plan_pull(handle.block_ordinals[group.name], manager.get_block_ordinals(rid, group.name),
+                              manager.get_cached_ordinals(rid, group.name), handle.prompt_len, group.window,
+                              manager.spec.tokens_per_block)
             runs += coalesce([(src, dst) for _, src, dst in pairs], group.name)
             num_bytes += len(pairs) * manager.storage.page_nbytes(group.name)
         return runs, num_bytes
@@ -162,3 +175,9 @@ class GenerationWorker(KVWorker):
     async def block_ordinals(self, request_id: str) -> dict[str, list[int]]:
         manager = self.engine.manager
         return await self.loop.call(lambda: {g.name: manager.get_block_ordinals(request_id, g.name) for g in manager.spec.groups})
+
+
+def _matching_nothing(prompt_len: int) -> list[int]:
+    """Stand-in token ids for a prompt whose tokens are unknown: no prompt has a negative id,
+    so no cached block's name matches them and nothing is reused."""
+    return [-1] * prompt_len

@@ -51,6 +51,11 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
+    @property
+    def num_claimed(self) -> int:
+        """Leases under a transfer now."""
+        return sum(lease.state is LeaseState.CLAIMED for lease in self._leases.values())
+
     def grant(self, request_id: str) -> float:
         """Start a lease; returns its deadline."""
         if request_id in self._leases or request_id in self._ended:

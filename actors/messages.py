@@ -33,6 +33,8 @@ class KVHandle:
     (entry ``i`` = page holding positions ``[i*B, (i+1)*B)``, -1 where none).
     ``lease_deadline`` is wall-clock seconds (``time.time()``).
     ``first_logprob``: the first token's logprob when the request asked for logprobs.
+    ``num_cached_tokens``: the context side's prefix-cache hit (prompt tokens it did not
+    compute), reported in usage as the aggregated path reports it.
     """
 
     context_agent: str
@@ -43,10 +45,13 @@ class KVHandle:
     lease_deadline: float
     tokens_per_block: int
     first_logprob: TokenLogprob | None = None
+    num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
             raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
+        if not 0 <= self.num_cached_tokens < self.prompt_len:
+            raise ValueError(f"num_cached_tokens must be in [0, {self.prompt_len}), got {self.num_cached_tokens}")
 
 
 # -- control messages -------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class GenerationRun:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from a prefix cache (usage)
         self.finish_reason: str | None = None
         self._stream: Any = None
         self._arrival = time.monotonic()
@@ -120,6 +121,7 @@ class GenerationRun:
             if self._first_token_at is None:
                 self._first_token_at = self._last_token_at
         self.num_output_tokens = update.num_output_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         self.finish_reason = update.finish_reason
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -16,7 +16,15 @@ Two sources feed ``GET /metrics``:
                     "kv_transfer_bytes": 1048576,      # cumulative
                     "kv_transfer_seconds": 0.25,       # cumulative
                     "num_drafts_proposed": 900,        # cumulative
-                    "num_drafts_accepted": 610}]}      # cumulative
+                    "num_drafts_accepted": 610,        # cumulative
+                    "prefix_cache_queries": 40960,     # cumulative, prompt tokens looked up
+                    "prefix_cache_hits": 30720}]}      # cumulative, of those, tokens found
+
+Prefix-cache queries and hits count tokens, as vLLM's ``prefix_cache_queries``
+and ``prefix_cache_hits`` do, so ``rate(hits) / rate(queries)`` is the hit
+rate: per role, a context (or aggregated) worker's lookups at admission, a
+generation worker's lookups of the prompt blocks it already holds before a
+transfer.
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ WORKER_SERIES = {
     "kv_transfer_seconds": (f"{PREFIX}_kv_transfer_seconds", "Seconds spent moving KV", "counter"),
     "num_drafts_proposed": (f"{PREFIX}_spec_draft_tokens_proposed", "Draft tokens proposed", "counter"),
     "num_drafts_accepted": (f"{PREFIX}_spec_draft_tokens_accepted", "Draft tokens accepted", "counter"),
+    "prefix_cache_queries": (f"{PREFIX}_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                             "counter"),
+    "prefix_cache_hits": (f"{PREFIX}_prefix_cache_hits", "Prompt tokens found in the prefix cache", "counter"),
 }
 WORKER_LABELS = ("worker", "role")
 

@@ -52,7 +52,8 @@ INGRESS_MAX_ONGOING_REQUESTS = 1024  # app.config's max_queue is the admission l
 INGRESS_MAX_QUEUED_REQUESTS = 1024
 # Worker stats keys passed on to /metrics (app.metrics) and the router (app.routing).
 METRICS_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting", "num_cancelled",
-                "kv_transfer_bytes", "kv_transfer_seconds", "num_drafts_proposed", "num_drafts_accepted")
+                "kv_transfer_bytes", "kv_transfer_seconds", "num_drafts_proposed", "num_drafts_accepted",
+                "prefix_cache_queries", "prefix_cache_hits")
 ROUTING_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting")
 WORKER_OPTIONS = dict(
     ray_actor_options={"num_cpus": 0},  # workers set their own torch threads

@@ -84,11 +84,14 @@ def finite_logprob(value: float) -> float:
     return MIN_LOGPROB if math.isnan(value) else max(value, MIN_LOGPROB)
 
 
-def usage_dict(num_prompt_tokens: int, num_output_tokens: int) -> dict:
+def usage_dict(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: the prompt tokens whose KV a prefix cache supplied
+    (the context side's hit when disaggregated), as OpenAI and vLLM report it."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 
@@ -115,7 +118,7 @@ async def collect(run: GenerationRun) -> Collected:
 
 
 def run_usage(run: GenerationRun) -> dict:
-    return usage_dict(len(run.prompt_token_ids), run.num_output_tokens)
+    return usage_dict(len(run.prompt_token_ids), run.num_output_tokens, run.num_cached_tokens)
 
 
 async def stream_events(

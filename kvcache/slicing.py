@@ -15,11 +15,20 @@ is below ``P - W + 1``, i.e. ``i < (P + 1 - W) / B``.
 
 Pairs are made by ordinal: entry ``i`` of the source table goes to entry
 ``i`` of the destination table. Nothing here trims a table by count.
+
+A receiver with a prefix cache already holds some slice ordinals (the pages
+``allocate`` bound from its cache); ``plan_pull`` drops exactly those, by
+ordinal, and the rest of the slice keeps its pairs::
+
+    ordinal:    0    1    2    3    4        B=8, W=16, P=36: slice [2, 5)
+    src:       c0   c1   c2   c3   c4
+    dst:       -1   -1   g2   g3   g4        cached ordinals {3}
+    pulled:              c2->g2     c4->g4   (3 is read from g3 where it lies)
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvcache.capacity import num_blocks
 
@@ -75,3 +84,26 @@ def plan_slice(
             f"[{ordinals.start}, {ordinals.stop}) (prompt_len={prompt_len}, window={window})"
         )
     return [(i, src_ordinals[i], dst_ordinals[i]) for i in ordinals if dst_ordinals[i] != UNBOUND]
+
+
+def plan_pull(
+    src_ordinals: Sequence[int],
+    dst_ordinals: Sequence[int],
+    cached_ordinals: Collection[int],
+    prompt_len: int,
+    window: int | None,
+    tokens_per_block: int,
+) -> list[tuple[int, int, int]]:
+    """``plan_slice`` with the receiver's ``cached_ordinals`` treated as ``-1`` in ``dst``.
+
+    ``cached_ordinals`` names positions (block ``i`` = tokens ``[i*B, (i+1)*B)``),
+    possibly with holes (an evicted block between two cached ones is pulled).
+    Each must be bound in ``dst``: a cached ordinal without a page means the
+    tables disagree, and KVSliceError is raised before anything is planned.
+    """
+    cached = set(cached_ordinals)
+    unbound = sorted(i for i in cached if not 0 <= i < len(dst_ordinals) or dst_ordinals[i] == UNBOUND)
+    if unbound:
+        raise KVSliceError(f"cached ordinals {unbound} have no page in the destination table")
+    receiving = [UNBOUND if i in cached else page for i, page in enumerate(dst_ordinals)]
+    return plan_slice(src_ordinals, receiving, prompt_len, window, tokens_per_block)

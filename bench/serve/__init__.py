@@ -2,6 +2,7 @@
 
     python -m bench.serve --base-url http://127.0.0.1:8000/v1 --model windserve-tiny [--rate R | --concurrency C]
     python -m bench.serve --compare [--quick]     # configs/disagg.yaml, then configs/aggregated.yaml
+    python -m bench.serve --workload shared-prefix [--quick] [--config configs/disagg.yaml]
 
 A trace is a seeded list of requests (arrival time, prompt, exact output
 length via ``max_tokens`` + ``ignore_eos``). Every request streams
@@ -16,10 +17,13 @@ time per output token after the first (TPOT), success or the error.
 
 ``--compare`` serves configs/disagg.yaml and configs/aggregated.yaml in this
 process and sends the same seeded traces to both, side by side (bench.serve.compare).
+``--workload shared-prefix`` serves one config twice, prefix cache on and off, and
+alternates seeded multi-turn chats between them (bench.serve.prefix).
 
     trace.py     the seeded requests            client.py   streaming HTTP client, per-chunk times
     stats.py     percentiles, CDF plots         compare.py  --compare: serve the configs, same traces
-    cli.py       arguments, one endpoint, main  __main__.py the command line's watchdog
+    prefix.py    --workload shared-prefix       cli.py      arguments, one endpoint, main
+    __main__.py  the command line's watchdog
 """
 
 from bench.serve.cli import main

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from bench.common import print_table, progress, write_json, write_plot
 from bench.serve.client import run_load
 from bench.serve.compare import compare
+from bench.serve.prefix import shared_prefix
 from bench.serve.stats import draw, summarize, summary_rows
 from bench.serve.trace import RequestSpec, make_trace
 
@@ -56,10 +57,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-seconds", type=float, default=300.0, help="bound of one load run")
     parser.add_argument("--compare", action="store_true", help="serve disagg.yaml then aggregated.yaml, same traces")
-    parser.add_argument("--quick", action="store_true", help="--compare with the smallest sizes (~2 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="--compare or --workload shared-prefix with the smallest sizes (~2 min)")
     parser.add_argument("--in-turn", action="store_true",
                         help="--compare: serve one config at a time (default: both at once, requests alternating)")
     parser.add_argument("--port", type=int, default=None, help="--compare: port instead of the configs' own")
+    parser.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
+                        help="shared-prefix: multi-turn chats, prefix cache on vs off (bench.serve.prefix)")
+    parser.add_argument("--config", default=os.path.join("configs", "disagg.yaml"),
+                        help="--workload shared-prefix: the config served twice, cache on and off")
+    parser.add_argument("--off-url", default=None,
+                        help="--workload shared-prefix: measure --base-url (cache on) and this endpoint (off) "
+                             "instead of serving --config")
     parser.add_argument("--out", default=os.path.join("bench", "out"))
     return parser.parse_args(argv)
 
@@ -71,9 +80,11 @@ def main(argv: list[str] | None = None) -> dict:
     behind (``python -m bench.serve`` adds its watchdog in ``__main__``).
     """
     args = parse_args(argv)
+    if args.workload == "shared-prefix":
+        return shared_prefix(args)
     return compare(args) if args.compare else bench_endpoint(args)
 
 
 def watchdog_s(args: argparse.Namespace) -> float:
     """How long ``python -m bench.serve`` may run before it dumps every thread's stack and exits."""
-    return 900.0 if args.compare else args.max_seconds + 120.0
+    return 900.0 if args.compare or args.workload == "shared-prefix" else args.max_seconds + 120.0

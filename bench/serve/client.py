@@ -31,6 +31,7 @@ class RequestResult:
     itls_s: list[float] = field(default_factory=list)
     num_prompt_tokens: int | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
 
     @property
     def tpot_s(self) -> float | None:
@@ -63,6 +64,8 @@ async def send(client: httpx.AsyncClient, model: str, spec: RequestSpec) -> Requ
                 if chunk.get("usage"):
                     result.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.num_output_tokens = chunk["usage"]["completion_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    result.num_cached_tokens = details.get("cached_tokens") or 0
                 if not any(map(is_token_chunk, chunk.get("choices") or [])):
                     continue  # the usage chunk, or a finish_reason-only chunk after the last token
                 if result.ttft_s is None:

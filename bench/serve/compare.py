@@ -71,11 +71,13 @@ def load_serve_config(path: str) -> tuple[dict, dict]:
 
 
 @contextlib.contextmanager
-def serving(configs: dict[str, str], port: int | None, max_seconds: float):
+def serving(configs: dict[str, str], port: int | None, max_seconds: float, overrides: dict[str, dict] | None = None):
     """Serve every config at once (Ray started here, Serve on 127.0.0.1); yields {mode: base url}.
 
-    One config keeps its own route prefix; several get ``/<mode>`` each. Each is warmed up
-    (first requests pay one-time costs); Serve and Ray are shut down on the way out.
+    One config keeps its own route prefix; several get ``/<mode>`` each. ``overrides[mode]``
+    replaces some of that config's args (the same path may then be served twice, differing
+    only there). Each is warmed up (first requests pay one-time costs); Serve and Ray are shut
+    down on the way out.
     """
     import ray
     from ray import serve
@@ -83,6 +85,9 @@ def serving(configs: dict[str, str], port: int | None, max_seconds: float):
     from app.serve_app import build_app
 
     loaded = {mode: load_serve_config(path) for mode, path in configs.items()}
+    for mode, args in (overrides or {}).items():
+        application, http_options = loaded[mode]
+        loaded[mode] = ({**application, "args": {**application["args"], **args}}, http_options)
     port = port or next(iter(loaded.values()))[1].get("port", 8000)
     if not port_is_free(port):
         raise RuntimeError(f"127.0.0.1:{port} is in use; pass --port")

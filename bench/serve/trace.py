@@ -6,6 +6,19 @@
                arriving among the short requests' running decodes (never the first request)
 
 Each request asks for an exact output length (``max_tokens`` + ``ignore_eos``).
+
+``make_chat_trace``: multi-turn chats for prefix caching, in rounds (every
+conversation's turn 0, then every turn 1, ...), so a conversation's next turn
+always comes after its previous one::
+
+    turn 0    system + Q0
+    turn 1    system + Q0 + A0 + Q1         (turn 0's prompt + its answer + a new question)
+    turn 2    system + Q0 + A0 + Q1 + A1 + Q2
+
+Most conversations share one system prompt; every ``private_every``-th one
+has its own. The answers are seeded text of the requested output length, a
+stand-in for the reply: a random-weights model's reply is noise, and seeded
+answers keep the trace the same bytes for every endpoint it is sent to.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ class RequestSpec:
     prompt: str
     max_tokens: int
     is_long: bool = False
+    turn: int = 0
 
 
 def spread_lengths(rng: random.Random, length: int, spread: float, num: int) -> list[int]:
@@ -48,4 +62,25 @@ def make_trace(num_requests: int, input_len: int, output_len: int, spread: float
             arrival += rng.expovariate(rate)
         length = spread_lengths(rng, long_input_len, spread, 1)[0] if is_long[i] else inputs[i]
         trace.append(RequestSpec(i, arrival, random_text(rng, length), outputs[i], is_long[i]))
+    return trace
+
+
+def chat_turn(question: str) -> str:
+    return f"\nuser: {question}\nassistant:"
+
+
+def make_chat_trace(num_conversations: int, num_turns: int, system_len: int, question_len: int, answer_len: int,
+                    *, seed: int = 0, private_every: int = 4) -> list[RequestSpec]:
+    """Requests in rounds (see the module docstring); the same arguments and seed give the same bytes."""
+    rng = random.Random(seed)
+    shared_system = random_text(rng, system_len)
+    prompts = [shared_system if (c + 1) % private_every else random_text(rng, system_len)
+               for c in range(num_conversations)]
+    trace = []
+    for turn in range(num_turns):
+        for c in range(num_conversations):
+            if turn > 0:
+                prompts[c] += " " + random_text(rng, answer_len - 1)  # the previous turn's answer
+            prompts[c] += chat_turn(random_text(rng, question_len))
+            trace.append(RequestSpec(len(trace), 0.0, prompts[c], answer_len, turn=turn))
     return trace

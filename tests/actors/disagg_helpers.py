@@ -44,15 +44,56 @@ def random_prompts(n: int, seed: int) -> list[list[int]]:
     return prompts
 
 
+def prompts_sharing_prefixes(n: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two waves of ``n`` prompts together. The first: ``random_prompts``, every third behind a
+    48-token system prompt. The second: one per first-wave prompt, in order, its repeat, a fork
+    (its first k tokens, then new ones), or a follow-up (it, then more turns)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(48)]
+    first = [system + p if i % 3 == 1 else p for i, p in enumerate(random_prompts(n - n // 2, seed))]
+    second = []
+    for i, prompt in enumerate(first[: n // 2]):
+        kind = i % 3
+        tail = [rng.randrange(256) for _ in range(rng.randint(1, 24))]
+        if kind == 0:
+            second.append(list(prompt))
+        elif kind == 1:
+            second.append(prompt[: rng.randint(1, len(prompt))] + tail)
+        else:
+            second.append(prompt + tail)
+    return first, second
+
+
 async def disagg_request(ctx, gen, request_id: str, prompt: list[int], params: SamplingParams, handle=None) -> list[int]:
     """Prefill on ``ctx`` (unless a handle is given), decode on ``gen``; the generated tokens."""
+    return (await disagg_usage(ctx, gen, request_id, prompt, params, handle))[0]
+
+
+async def disagg_usage(ctx, gen, request_id: str, prompt: list[int], params: SamplingParams,
+                       handle=None) -> tuple[list[int], int]:
+    """``disagg_request``, and the prompt tokens the last update reports as cached."""
     if handle is None:
         handle = await ctx.prefill.remote(request_id, prompt, params)
-    tokens = []
+    tokens, num_cached_tokens = [], 0
     async for ref in gen.generate.remote(handle, prompt, params):
         update = await ref
         tokens += update.new_token_ids
+        num_cached_tokens = update.num_cached_tokens
         if update.finish_reason == "error":
             raise RuntimeError(update.error)
-    return tokens
+    return tokens, num_cached_tokens
+
+
+def run_in_order(engine, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], int]]:
+    """Aggregated reference: each prompt alone, one after the other; its tokens and cached tokens."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+        tokens, num_cached_tokens = [], 0
+        while engine.has_unfinished():
+            for update in engine.step():
+                tokens += update.new_token_ids
+                num_cached_tokens = update.num_cached_tokens
+        out.append((tokens, num_cached_tokens))
+    return out
 

@@ -15,7 +15,8 @@ from actors.leases import LeaseDenied
 from engine import SamplingParams
 from actors.peers import PeerNotFoundError, lookup
 from tests.actors.disagg_helpers import (
-    RemoteContext, RemoteGeneration, disagg_request, random_prompts, started, worker_config,
+    RemoteContext, RemoteGeneration, disagg_request, prompts_sharing_prefixes, random_prompts, started,
+    worker_config,
 )
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
 
@@ -43,20 +44,31 @@ def assert_all_free(pages):
 
 
 def test_disaggregated_equals_aggregated(ray_session, tiny_model):
-    prompts = random_prompts(50, seed=3)
+    """50 requests in two waves; the second repeats, forks or extends the first's prompts, so
+    both sides' prefix caches hit (the context side skips computing, the generation side pulling)."""
+    first, second = prompts_sharing_prefixes(50, seed=3)
+    prompts = first + second
     expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, GREEDY)
     contexts = started(*[RemoteContext.remote(worker_config(num_extra_kv_tokens=e)) for e in (0, 2)])
     generations = started(*[RemoteGeneration.remote(worker_config(max_draft_len=d, num_extra_kv_tokens=e))
                             for d, e in [(0, 2), (1, 0), (2, 2), (3, 0), (4, 2)]])
 
-    async def main():
-        jobs = [disagg_request(contexts[i % 2], generations[i % 5], f"q{i}", p, GREEDY) for i, p in enumerate(prompts)]
-        results = await asyncio.gather(*jobs)
-        return results, await free_pages(*contexts, *generations)
+    def job(i: int):  # a second-wave prompt goes where the first-wave prompt it derives from went
+        family = i % len(first)
+        return disagg_request(contexts[family % 2], generations[family % 5], f"q{i}", prompts[i], GREEDY)
 
-    results, pages = asyncio.run(main())
+    async def main():
+        results = await asyncio.gather(*[job(i) for i in range(len(first))])
+        results += await asyncio.gather(*[job(i) for i in range(len(first), len(prompts))])
+        stats = [await worker.stats.remote() for worker in (*contexts, *generations)]
+        return results, stats, await free_pages(*contexts, *generations)
+
+    results, stats, pages = asyncio.run(main())
     for i, tokens in enumerate(results):
         assert tokens == expected[f"r{i}"], f"request {i} (prompt {len(prompts[i])} tokens) differs"
+    for role in ("context", "generation"):
+        assert sum(s["prefix_cache_hits"] for s in stats if s["role"] == role) > 0, f"no {role} worker hit its cache"
+    assert all(s["prefix_cache_queries"] >= s["prefix_cache_hits"] and "num_cached_blocks" in s for s in stats)
     assert_all_free(pages)
 
 
@@ -114,7 +126,8 @@ def test_pages_land_at_their_ordinals_and_nowhere_else(ray_session):
 
 
 def test_expired_lease_fails_a_late_transfer_and_never_reads_reused_pages(ray_session):
-    ctx, gen = started(RemoteContext.remote(worker_config(lease_s=0.5)),
+    # 6 pages a group: "new" must take the pages "old" left (free ones go first, then cached ones are evicted).
+    ctx, gen = started(RemoteContext.remote(worker_config(lease_s=0.5, num_pages=6)),
                        RemoteGeneration.remote(worker_config()))
 
     async def main():

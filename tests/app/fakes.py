@@ -60,14 +60,39 @@ def reply_tokens(num_tokens: int) -> list[int]:
     return list(text.encode("utf-8"))[:num_tokens]
 
 
+def cached_prefix_len(prompt: list[int], earlier: list[list[int]], tokens_per_block: int) -> int:
+    """A prefix cache's hit, by the engine's rule for full-attention blocks: the longest prefix shared
+    with an earlier prompt, in whole blocks, leaving at least one prompt token to compute.
+
+        B=4, earlier "abcdefghij", prompt "abcdefgXYZ": shared 7 -> 4 (block 0 only)
+    """
+    shared = max((common_prefix_len(prompt, old) for old in earlier), default=0)
+    return min(shared, len(prompt) - 1) // tokens_per_block * tokens_per_block
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
 class FakeBackend:
-    """Replies REPLY (cycled), one token per update, ``token_delay_s`` apart."""
+    """Replies REPLY (cycled), one token per update, ``token_delay_s`` apart.
+
+    With ``tokens_per_block``, it also plays a prefix cache that never evicts: every update of a
+    request reports ``num_cached_tokens`` = ``cached_prefix_len`` over the prompts it saw before,
+    and ``stats()`` adds the cumulative prompt tokens looked up and found to worker ctx-0.
+    """
 
     model_name = MODEL
     max_model_len = MAX_MODEL_LEN
 
-    def __init__(self, token_delay_s: float = 0.0) -> None:
+    def __init__(self, token_delay_s: float = 0.0, tokens_per_block: int | None = None) -> None:
         self.token_delay_s = token_delay_s
+        self.tokens_per_block = tokens_per_block
+        self.seen_prompts: list[list[int]] = []
+        self.num_queried_tokens = self.num_hit_tokens = 0
         self.is_healthy = True
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
         self.aborted: list[str] = []
@@ -75,7 +100,7 @@ class FakeBackend:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.requests[request_id] = (list(prompt_token_ids), params)
         prompt_text = bytes(t for t in prompt_token_ids if t < 256).decode("utf-8", errors="replace")
-        update = partial(self._update, request_id, len(prompt_token_ids), params)
+        update = partial(self._update, request_id, len(prompt_token_ids), params, self._cache(prompt_token_ids))
         if RAISE_TRIGGER in prompt_text:
             raise RuntimeError(SECRET)
         if FAIL_TRIGGER in prompt_text:
@@ -88,6 +113,15 @@ class FakeBackend:
             await asyncio.sleep(self.token_delay_s)
             yield update([token], i + 1, finish_reason if i == len(tokens) - 1 else None)
 
+    def _cache(self, prompt_token_ids: list[int]) -> int:
+        if self.tokens_per_block is None:
+            return 0
+        hit = cached_prefix_len(prompt_token_ids, self.seen_prompts, self.tokens_per_block)
+        self.seen_prompts.append(list(prompt_token_ids))
+        self.num_queried_tokens += len(prompt_token_ids)
+        self.num_hit_tokens += hit
+        return hit
+
     @staticmethod
     def _planned_output(params: SamplingParams) -> tuple[list[int], str]:
         tokens = reply_tokens(params.max_tokens)
@@ -99,7 +133,7 @@ class FakeBackend:
         return tokens, "length"
 
     @staticmethod
-    def _update(request_id, num_prompt_tokens, params, tokens, num_output, finish_reason, error=None):
+    def _update(request_id, num_prompt_tokens, params, num_cached, tokens, num_output, finish_reason, error=None):
         logprobs = None
         if params.logprobs is not None:
             top = lambda t: tuple(((t + k) % 256, -0.25 - k) for k in range(params.logprobs))  # noqa: E731
@@ -113,6 +147,7 @@ class FakeBackend:
             finish_reason=finish_reason,
             logprobs=logprobs,
             error=error,
+            num_cached_tokens=num_cached,
         )
 
     async def abort(self, request_id: str) -> None:
@@ -123,7 +158,11 @@ class FakeBackend:
             raise RuntimeError("worker gen-0 is gone")
 
     async def stats(self) -> dict:
-        return WORKER_STATS
+        if self.tokens_per_block is None:
+            return WORKER_STATS
+        context, *others = WORKER_STATS["workers"]
+        cache = {"prefix_cache_queries": self.num_queried_tokens, "prefix_cache_hits": self.num_hit_tokens}
+        return {"workers": [context | cache, *others]}
 
 
 class LiveServer:

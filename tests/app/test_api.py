@@ -285,3 +285,54 @@ def test_metrics_exposition(make_server):
 def test_apps_have_separate_registries():
     first, second = build_api(FakeBackend(), ByteTokenizer()), build_api(FakeBackend(), ByteTokenizer())
     assert first.state.serving.metrics.registry is not second.state.serving.metrics.registry
+
+
+def cached_tokens(usage) -> int:
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_usage_reports_cached_tokens_streamed_and_not(make_server):
+    """The backend's ``num_cached_tokens`` reaches OpenAI's ``usage.prompt_tokens_details``, parsed by the SDK.
+
+    The fake caches by 16-token blocks: a 40-token prompt shares its first 32 tokens with a later one.
+    """
+    client = openai_client(make_server(backend=FakeBackend(tokens_per_block=16)).url)
+    system = "s" * 40
+    first = client.completions.create(model=MODEL, prompt=system, max_tokens=3)
+    assert cached_tokens(first.usage) == 0 and first.usage.prompt_tokens == 40
+    again = client.completions.create(model=MODEL, prompt=system + " next", max_tokens=3)
+    assert cached_tokens(again.usage) == 32
+    streamed = list(client.completions.create(model=MODEL, prompt=system + " third", max_tokens=3, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert streamed[-1].choices == [] and cached_tokens(streamed[-1].usage) == 32  # shares 41 tokens: 2 blocks
+
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    prompt_len = len(ByteTokenizer().apply_chat_template(messages))
+    assert cached_tokens(chat.usage) == 0 and chat.usage.prompt_tokens == prompt_len == 75
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert cached_tokens(chunks[-1].usage) == (prompt_len - 1) // 16 * 16 == 64
+
+
+def test_usage_without_a_cache_reports_zero_cached_tokens(client):
+    reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def prefix_cache_samples(url: str) -> dict[str, float]:
+    """{series: value} of worker ctx-0's prefix-cache counters."""
+    text = httpx.get(f"{url}/metrics").text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("windserve_prefix_cache_") and s.labels == {"worker": "ctx-0", "role": "context"}}
+
+
+def test_prefix_cache_counters_appear_and_grow(make_server):
+    live = make_server(backend=FakeBackend(tokens_per_block=16))
+    client = openai_client(live.url)
+    queries, hits = "windserve_prefix_cache_queries_total", "windserve_prefix_cache_hits_total"
+    assert prefix_cache_samples(live.url) == {queries: 0, hits: 0}
+    client.completions.create(model=MODEL, prompt="p" * 50, max_tokens=1)
+    assert prefix_cache_samples(live.url) == {queries: 50, hits: 0}
+    client.completions.create(model=MODEL, prompt="p" * 50 + "q" * 10, max_tokens=1)
+    assert prefix_cache_samples(live.url) == {queries: 110, hits: 48}

@@ -135,6 +135,15 @@ def test_every_worker_and_engine_knob_is_reachable_from_the_args():
     assert isinstance(worker, EngineConfig)  # what LLMEngine takes
 
 
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_configs_state_prefix_caching_and_it_reaches_the_workers(path):
+    for app in serve_config(path).applications:
+        assert app.args["enable_prefix_caching"] is True
+        assert AppConfig.model_validate(app.args).to_worker_config().enable_prefix_caching is True
+    off = AppConfig.model_validate({"enable_prefix_caching": False}).to_worker_config()
+    assert off.enable_prefix_caching is False and AppConfig.model_validate({}).enable_prefix_caching is True
+
+
 def test_serving_max_model_len_counts_the_configured_scratch():
     # windserve-tiny: 4096 positions; 16 pages of 8 tokens hold 128, less drafts and extra slots.
     path = resolve_model_path("windserve-tiny")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -253,3 +254,46 @@ def test_disaggregated_equals_aggregated(client, agg_client, agg_url):
     disagg = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
     agg = agg_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
     assert disagg.choices[0].message.content == agg.choices[0].message.content
+
+
+def prefix_cache_tokens(url: str) -> dict[str, tuple[float, float]]:
+    """role -> (prefix-cache queries, hits) in /metrics, summed over that role's workers."""
+    queries = metric_samples(url, "windserve_prefix_cache_queries_total")
+    hits = metric_samples(url, "windserve_prefix_cache_hits_total")
+    return {role: (sum(v for (_, r), v in queries.items() if r == role),
+                   sum(v for (_, r), v in hits.items() if r == role)) for _, role in queries}
+
+
+def settled_prefix_cache_tokens(url: str, role: str) -> tuple[float, float]:
+    """``prefix_cache_tokens`` once the workers' stats reports (every second) have caught up."""
+    latest = prefix_cache_tokens(url).get(role)
+    for _ in range(10):
+        time.sleep(1.5)
+        previous, latest = latest, prefix_cache_tokens(url).get(role)
+        if latest == previous:
+            break
+    return latest
+
+
+@pytest.mark.parametrize("mode", ["agg", "disagg"])
+def test_a_repeated_prompt_reports_cached_tokens_and_counts_hits(mode, client, agg_client, disagg_url, agg_url,
+                                                                 tokenizer):
+    """The second time, the prompt's full blocks come from the prefix cache (the context side's
+    hit when disaggregated): usage says so in OpenAI's field, and /metrics counts the lookups."""
+    url, api = (agg_url, agg_client) if mode == "agg" else (disagg_url, client)
+    role = "aggregated" if mode == "agg" else "context"
+    prompt = f"{mode}: " + "the same long system prompt, sent twice. " * 3
+    num_prompt_tokens = len(tokenizer.encode(prompt))
+    assert num_prompt_tokens > 4 * ENGINE["tokens_per_block"]
+    assert wait_until(lambda: in_flight(url) == 0, timeout_s=20)
+    before = settled_prefix_cache_tokens(url, role)
+    first = api.completions.create(model=MODEL, prompt=prompt, max_tokens=4, **GREEDY)
+    chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=4, stream=True,
+                                         stream_options={"include_usage": True}, **GREEDY))
+    second = chunks[-1].usage
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    block = ENGINE["tokens_per_block"]
+    assert second.prompt_tokens_details.cached_tokens == (num_prompt_tokens - 1) // block * block > 0
+    expected = (before[0] + 2 * num_prompt_tokens, before[1] + second.prompt_tokens_details.cached_tokens)
+    assert wait_until(lambda: prefix_cache_tokens(url)[role] == expected, timeout_s=10), prefix_cache_tokens(url)
+
