@@ -12,7 +12,6 @@ import json
 import socket
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import httpx
 import openai
