@@ -6,13 +6,8 @@ from kvcache.capacity import get_kv_capacity_tokens, num_blocks
 from kvcache.hashing import NO_PARENT, block_hash, block_hashes, extend_block_hashes, kv_fingerprint
 from kvcache.manager import KVCacheManager
 from kvcache.pool import PagePool
-<<<<<<< HEAD
 from kvcache.prefix import cached_prefix_length, hit_for_windows, longest_hit
-from kvcache.slicing import UNBOUND, KVSliceError, plan_slice, slice_range, stale_end
-=======
-from kvcache.prefix import cached_prefix_length, longest_hit
 from kvcache.slicing import UNBOUND, KVSliceError, plan_pull, plan_slice, slice_range, stale_end
->>>>>>> main
 from kvcache.spec import KVCacheSpec, LayerGroup
 from kvcache.storage import PageStorage
 from kvcache.summary import BlockSummary
