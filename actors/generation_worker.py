@@ -5,6 +5,8 @@
                      ─► Claim the context lease ─► plan_pull per group ─► coalesce
                      ─► transport.read (pull) ─► Release the context pages
                      ─► add to the engine ─► decode with continuous batching + drafts, streaming updates
+    generate_local(request) ─► the engine prefills and decodes it here: no context hop, no transfer
+                               (the ingress sends a prompt whose uncached part is short)
 
 Only the slice ordinals we lack travel: ``plan_pull`` drops, by ordinal,
 those our reservation bound from the local cache, so a repeated prompt
@@ -64,6 +66,14 @@ class GenerationWorker(KVWorker):
                                            params, handle.first_logprob, handle.num_cached_tokens)
         self.loop.deliver(updates)
         async for update in self.loop.stream(rid, queue):
+            yield update
+
+    async def generate_local(self, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams) -> AsyncIterator[RequestUpdate]:
+        """Prefill and decode here, no context hop and no transfer (conditional disaggregation:
+        the ingress sends a prompt whose uncached part is short). The engine admits it at its
+        own prefix-cache hit and computes the rest, as an aggregated worker would."""
+        async for update in self.loop.generate(request_id, prompt_token_ids, params):
             yield update
 
     async def receive_kv(self, handle: KVHandle, prompt_token_ids: list[int] | None = None) -> ReadStats:

@@ -35,12 +35,16 @@ class AppConfig(WorkerConfig):
     ``api_key``: required as ``Authorization: Bearer`` on every ``/v1`` route;
     when unset (or None), read from $WINDSERVE_API_KEY. ``max_queue``: at most
     this many generation requests in flight per ingress replica (app.middleware);
-    None admits everything.
+    None admits everything. ``local_prefill_max_tokens`` (disagg): a prompt whose
+    uncached part (its length less the best generation-side cache hit the ingress
+    estimates) is at most this many tokens is prefilled by a generation worker
+    itself, with no context hop and no transfer; 0 never does (app.placement).
     """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
     api_key: str | None = Field(None, validate_default=True)
     max_queue: int | None = None
+    local_prefill_max_tokens: int = 0
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -56,6 +60,7 @@ class AppConfig(WorkerConfig):
             raise ValueError("api_key must be non-empty (leave it unset to turn the check off)")
         if self.max_queue is not None:
             check_at_least(self, ("max_queue",), 0)
+        check_at_least(self, ("local_prefill_max_tokens",), 0)
 
     @classmethod
     def model_validate(cls, args: dict[str, Any] | None) -> AppConfig:

@@ -15,8 +15,10 @@ replica holding only a prefix's stale head is not credited), and ranks by
          + decode_load_scale * ongoing_requests
          + (FULL_PENALTY if the replica's free pages cannot hold the uncached part)
 
-``P - hit`` is the prefill work (context side) or the pages to pull (generation
-side) this replica would add; ``queued_prefill_tokens`` the prefill work
+``P - hit`` is the prefill work (context side, and a generation replica that
+prefills locally) or the pages to pull (a generation replica receiving the KV:
+``hit`` then counts the slice blocks it holds, by ordinal, ``ReplicaView.pull_hit``)
+this replica would add; ``queued_prefill_tokens`` the prefill work
 ahead of it there; ``ongoing_requests`` Serve's own queue length (or the
 replica's running + waiting when Serve has none yet). Replicas that have not
 reported rank last. Serve takes the first replica of the first rank that
@@ -29,6 +31,7 @@ was routed to (bounded, most recent first) and sends ``abort`` there.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import OrderedDict
@@ -38,7 +41,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from kvcache import BlockSummary, hit_for_windows
+from kvcache import BlockSummary, hit_for_windows, stale_end
 
 ROUTER_PATH = "app.routing:KVAwareRequestRouter"
 FULL_PENALTY = 1e12
@@ -54,6 +57,7 @@ class RoutingHint:
     num_prompt_tokens: int = 0
     block_hashes: tuple[bytes, ...] = ()
     fingerprint: bytes = b""
+    is_transfer: bool = False  # a generation replica receives the prompt's KV (scored by ReplicaView.pull_hit)
 
 
 @dataclass(frozen=True)
@@ -87,12 +91,34 @@ class ReplicaView:
         )
 
     def hit(self, hint: RoutingHint) -> int:
-        """Tokens of the prompt this replica's cache would serve, by the window-aware rule."""
+        """Tokens of the prompt this replica's cache would serve: by the window-aware rule when it
+        computes the prompt, by ``pull_hit`` when it receives the prompt's KV."""
         usable = self.summaries and hint.block_hashes and hint.fingerprint == self.fingerprint
         if not usable or set(self.summaries) != set(self.windows):
             return 0
+        if hint.is_transfer:
+            return self.pull_hit(hint)
         return hit_for_windows(self.windows, self.tokens_per_block, self.summaries, hint.block_hashes,
                                hint.num_prompt_tokens)
+
+    def pull_hit(self, hint: RoutingHint) -> int:
+        """A transfer skips, by ordinal, the slice blocks the receiver holds (kvcache.plan_pull);
+        the hit is the prompt's share of slice blocks held here, in tokens::
+
+            per group: slice = ordinals [stale_end(P, W, B), ceil(P / B)); held = those in the summary
+            hit = P * sum(held) // sum(len(slice))
+
+        No prefix rule here: a window group's stale head never travels, so a receiver that holds
+        only a prefix's full-group blocks still saves their pages (the prefix rule would give 0).
+        """
+        P, B = hint.num_prompt_tokens, self.tokens_per_block
+        num_blocks = -(-P // B)
+        num_slice = num_held = 0
+        for name, window in self.windows.items():
+            first = stale_end(P, window, B)
+            num_slice += num_blocks - first
+            num_held += sum(h in self.summaries[name] for h in hint.block_hashes[first:num_blocks])
+        return P * num_held // num_slice if num_slice else 0
 
     def can_hold(self, num_tokens: int) -> bool:
         """Whether its free pages (all groups together) can bind ``num_tokens`` more in every group."""
@@ -141,10 +167,15 @@ def rank_replicas(
 
 
 def hint_of(pending_request: PendingRequest | None) -> RoutingHint | None:
+    """The request's ``hint=``, recognised by its fields: Serve hands the router a class
+    it deserialised itself, whose module copy has its own ``RoutingHint`` class, so an
+    ``isinstance`` check fails on hints the ingress built (seen on Ray 2.60)."""
     if pending_request is None:
         return None
     hint = pending_request.kwargs.get("hint")
-    return hint if isinstance(hint, RoutingHint) else None
+    if not all(hasattr(hint, f.name) for f in dataclasses.fields(RoutingHint)):
+        return None
+    return RoutingHint(**{f.name: getattr(hint, f.name) for f in dataclasses.fields(RoutingHint)})
 
 
 class KVAwareRequestRouter(FIFOMixin, RequestRouter):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
 from app.routing import CostScales, ReplicaView, RoutingHint, rank_replicas
-from kvcache import BlockSummary, block_hashes
+from kvcache import BlockSummary, block_hashes, stale_end
 
 B = 16
 WINDOWS = {"full": None, "sliding": 64}
@@ -97,3 +98,17 @@ def test_unreported_replicas_rank_last_and_no_hint_means_load_only():
 def test_scales_are_validated():
     with pytest.raises(ValueError):
         CostScales(prefill_load_scale=-1)
+
+
+def test_a_receiver_is_credited_with_the_slice_blocks_it_holds():
+    """A transfer skips held slice ordinals: a replica holding the prefix's full-group blocks but,
+    in the window group, only the slice of an earlier, longer prompt (its stale head released)
+    gets no prefix hit, yet saves the full group's pages when receiving."""
+    hint = prompt_hint()  # P = 1000, 62 full blocks; window slice = ordinals 59..62
+    held = {"full": list(hint.block_hashes[:60]), "sliding": []}
+    view = ReplicaView.from_stats(replica("g", held).routing_stats)
+    transfer = dataclasses.replace(hint, is_transfer=True)
+    assert view.hit(hint) == 0  # computing the prompt here would need window blocks 56..59
+    slice_blocks = 63 + (63 - stale_end(1000, 64, B))
+    assert view.hit(transfer) == 1000 * 60 // slice_blocks
+    assert order([replica("cold"), replica("g", held)], transfer) == ["g", "cold"]
