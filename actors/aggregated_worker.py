@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from actors.worker_base import EngineWorker
 from engine import RequestUpdate, SamplingParams
@@ -14,6 +14,7 @@ class AggregatedWorker(EngineWorker):
     async def stats(self) -> dict:
         return {**await super().stats(), "role": "aggregated"}
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestUpdate]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestUpdate]:
         async for update in self.loop.generate(request_id, prompt_token_ids, params):
             yield update

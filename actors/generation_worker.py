@@ -5,6 +5,8 @@
                      ─► Claim the context lease ─► plan_pull per group ─► coalesce
                      ─► transport.read (pull) ─► Release the context pages
                      ─► add to the engine ─► decode with continuous batching + drafts, streaming updates
+    generate_local(request) ─► the engine prefills and decodes it here: no context hop, no transfer
+                               (the ingress sends a prompt whose uncached part is short)
 
 Only the slice ordinals we lack travel: ``plan_pull`` drops, by ordinal,
 those our reservation bound from the local cache, so a repeated prompt
@@ -22,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from actors.config import WorkerConfig
 from actors.messages import Claim, Extend, KVHandle, Release
@@ -64,6 +66,14 @@ class GenerationWorker(KVWorker):
                                            params, handle.first_logprob, handle.num_cached_tokens)
         self.loop.deliver(updates)
         async for update in self.loop.stream(rid, queue):
+            yield update
+
+    async def generate_local(self, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams) -> AsyncIterator[RequestUpdate]:
+        """Prefill and decode here, no context hop and no transfer (conditional disaggregation:
+        the ingress sends a prompt whose uncached part is short). The engine admits it at its
+        own prefix-cache hit and computes the rest, as an aggregated worker would."""
+        async for update in self.loop.generate(request_id, prompt_token_ids, params):
             yield update
 
     async def receive_kv(self, handle: KVHandle, prompt_token_ids: list[int] | None = None) -> ReadStats:
@@ -138,7 +148,8 @@ class GenerationWorker(KVWorker):
         deadline = time.monotonic() + self.config.reserve_timeout_s
         while not await self.loop.call(self.engine.reserve_prefilled, handle.request_id, prompt_token_ids):
             if time.monotonic() > deadline:
-                raise TransferFailed(f"no free KV pages for request {handle.request_id!r} within {self.config.reserve_timeout_s}s")
+                raise TransferFailed(f"no free KV pages for request {handle.request_id!r} "
+                                     f"within {self.config.reserve_timeout_s}s")
             self.control.tell(handle.context_agent, Extend(handle.request_id, self.config.lease_s))
             await asyncio.sleep(0.05)
 
@@ -174,7 +185,8 @@ class GenerationWorker(KVWorker):
 
     async def block_ordinals(self, request_id: str) -> dict[str, list[int]]:
         manager = self.engine.manager
-        return await self.loop.call(lambda: {g.name: manager.get_block_ordinals(request_id, g.name) for g in manager.spec.groups})
+        groups = manager.spec.groups
+        return await self.loop.call(lambda: {g.name: manager.get_block_ordinals(request_id, g.name) for g in groups})
 
 
 def _matching_nothing(prompt_len: int) -> list[int]:

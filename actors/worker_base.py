@@ -52,6 +52,10 @@ class EngineWorker:
         stats = await self.loop.call(self.engine.stats)
         return {"role": self.role, **stats}
 
+    async def routing_stats(self) -> dict:
+        """What a KV-aware router weighs (``LLMEngine.routing_stats``)."""
+        return await self.loop.call(self.engine.routing_stats)
+
     async def check_integrity(self) -> None:
         await self.loop.call(self.engine.manager.check_integrity)
 

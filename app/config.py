@@ -38,13 +38,17 @@ class AppConfig(WorkerConfig):
     this many generation requests in flight per ingress replica (app.middleware);
     None admits everything. ``served_model_name`` (vLLM's name for it): the model
     id that ``/v1/models`` lists and requests name; None: the model's short name
-    (``served_model`` below).
+    (``served_model`` below). ``local_prefill_max_tokens`` (disagg): a prompt
+    whose uncached part (its length less the best generation-side cache hit the
+    ingress estimates) is at most this many tokens is prefilled by a generation
+    worker itself, with no context hop and no transfer; 0 never does (app.placement).
     """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
     api_key: str | None = Field(None, validate_default=True)
     max_queue: int | None = None
     served_model_name: str | None = None
+    local_prefill_max_tokens: int = 0
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -60,6 +64,7 @@ class AppConfig(WorkerConfig):
             raise ValueError("api_key must be non-empty (leave it unset to turn the check off)")
         if self.max_queue is not None:
             check_at_least(self, ("max_queue",), 0)
+        check_at_least(self, ("local_prefill_max_tokens",), 0)
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must be non-empty (leave it unset for the model's short name)")
 

@@ -1,64 +1,207 @@
-"""Route worker requests by load: the most free KV pages among the least-queued replicas.
+"""KV-aware request routing on Ray Serve's request-router API, for context and generation replicas.
 
-Serve's default router (power of two choices) looks at queue lengths only. A
-worker's queue says little about its KV cache: ten short requests hold fewer
-pages than one long one, and a generation worker with no free pages parks
-new requests (extending the context lease) until pages free up. So:
+Serve's default router (power of two choices) looks at queue lengths only, so
+requests that share a prefix land anywhere and a prefix cache rarely pays.
+Here each worker replica reports, every stats period (``record_routing_stats``),
+a Bloom-filter summary of the blocks it caches per layer group
+(kvcache.summary), its queued prefill tokens and free pages. The ingress
+hashes each prompt's blocks once (kvcache.hashing) and passes them with the
+request in a ``RoutingHint``. Per candidate replica the router then computes
+the hit the prompt would get there by the window-aware rule (kvcache.prefix:
+a window group needs only the blocks a query at the hit can read, so a
+replica holding only a prefix's stale head is not credited), and ranks by
 
-    candidates ──► less loaded: queue_len <= min(queue_len) + queue_slack
-                   (unknown queue lengths count as less loaded, as Serve does)
-               ──► ranked by free page fraction, most free first, one per rank
-               ──► then everyone else, as one rank (lowest queue wins there)
+    cost = prefill_load_scale * max(queued_prefill_tokens + P - hit, 0)
+         + decode_load_scale * ongoing_requests
+         + (FULL_PENALTY if the replica's free pages cannot hold the uncached part)
 
-Serve walks the ranks in order and takes the first replica that accepts
-(its queue below max_ongoing_requests). Free pages come from each replica's
-``record_routing_stats`` (``num_free_pages``, ``num_total_pages``), which
-Serve polls every ``request_routing_stats_period_s``; ``queue_slack`` keeps
-a burst that arrives between two polls from piling onto one replica.
+``P - hit`` is the prefill work (context side, and a generation replica that
+prefills locally) or the pages to pull (a generation replica receiving the KV:
+``hit`` then counts the slice blocks it holds, by ordinal, ``ReplicaView.pull_hit``)
+this replica would add; ``queued_prefill_tokens`` the prefill work
+ahead of it there; ``ongoing_requests`` Serve's own queue length (or the
+replica's running + waiting when Serve has none yet). Replicas that have not
+reported rank last. Serve takes the first replica of the first rank that
+accepts (its queue below ``max_ongoing_requests``).
+
+Sticky cancellation: an ``abort`` must reach the replica that holds the
+request, not any replica. The router remembers which replica each request id
+was routed to (bounded, most recent first) and sends ``abort`` there.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from kvcache import BlockSummary, hit_for_windows, stale_end
+
 ROUTER_PATH = "app.routing:KVAwareRequestRouter"
+FULL_PENALTY = 1e12
+NUM_REMEMBERED_REQUESTS = 100_000
 
 
-def free_page_fraction(stats: dict[str, Any]) -> float:
-    """0..1, or -1 when the replica has not reported yet (ranked last among equals)."""
-    free, total = stats.get("num_free_pages"), stats.get("num_total_pages")
-    if not isinstance(free, int) or not isinstance(total, int) or total <= 0:
-        return -1.0
-    return free / total
+@dataclass(frozen=True)
+class RoutingHint:
+    """What the router needs of a request; workers ignore it. ``block_hashes``: the prompt's
+    full blocks (kvcache.block_hashes with ``fingerprint`` as extra)."""
+
+    request_id: str
+    num_prompt_tokens: int = 0
+    block_hashes: tuple[bytes, ...] = ()
+    fingerprint: bytes = b""
+    is_transfer: bool = False  # a generation replica receives the prompt's KV (scored by ReplicaView.pull_hit)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """A replica's routing stats, parsed once per decision."""
+
+    num_free_pages: int | None = None
+    num_total_pages: int | None = None
+    num_ongoing: int = 0
+    queued_prefill_tokens: int = 0
+    tokens_per_block: int = 0
+    fingerprint: bytes = b""
+    windows: dict[str, int | None] = field(default_factory=dict)
+    summaries: dict[str, BlockSummary] = field(default_factory=dict)
+
+    @classmethod
+    def from_stats(cls, stats: dict[str, Any]) -> ReplicaView | None:
+        """None when the replica has not reported yet."""
+        if not isinstance(stats.get("num_free_pages"), int):
+            return None
+        summaries = {g: BlockSummary.from_bytes(b) for g, b in (stats.get("cache_summaries") or {}).items()}
+        return cls(
+            num_free_pages=stats["num_free_pages"],
+            num_total_pages=stats.get("num_total_pages"),
+            num_ongoing=int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)),
+            queued_prefill_tokens=int(stats.get("queued_prefill_tokens", 0)),
+            tokens_per_block=int(stats.get("tokens_per_block", 0)),
+            fingerprint=stats.get("kv_fingerprint", b""),
+            windows=dict(stats.get("windows") or {}),
+            summaries=summaries,
+        )
+
+    def hit(self, hint: RoutingHint) -> int:
+        """Tokens of the prompt this replica's cache would serve: by the window-aware rule when it
+        computes the prompt, by ``pull_hit`` when it receives the prompt's KV."""
+        usable = self.summaries and hint.block_hashes and hint.fingerprint == self.fingerprint
+        if not usable or set(self.summaries) != set(self.windows):
+            return 0
+        if hint.is_transfer:
+            return self.pull_hit(hint)
+        return hit_for_windows(self.windows, self.tokens_per_block, self.summaries, hint.block_hashes,
+                               hint.num_prompt_tokens)
+
+    def pull_hit(self, hint: RoutingHint) -> int:
+        """A transfer skips, by ordinal, the slice blocks the receiver holds (kvcache.plan_pull);
+        the hit is the prompt's share of slice blocks held here, in tokens::
+
+            per group: slice = ordinals [stale_end(P, W, B), ceil(P / B)); held = those in the summary
+            hit = P * sum(held) // sum(len(slice))
+
+        No prefix rule here: a window group's stale head never travels, so a receiver that holds
+        only a prefix's full-group blocks still saves their pages (the prefix rule would give 0).
+        """
+        P, B = hint.num_prompt_tokens, self.tokens_per_block
+        num_blocks = -(-P // B)
+        num_slice = num_held = 0
+        for name, window in self.windows.items():
+            first = stale_end(P, window, B)
+            num_slice += num_blocks - first
+            num_held += sum(h in self.summaries[name] for h in hint.block_hashes[first:num_blocks])
+        return P * num_held // num_slice if num_slice else 0
+
+    def can_hold(self, num_tokens: int) -> bool:
+        """Whether its free pages (all groups together) can bind ``num_tokens`` more in every group."""
+        if not self.tokens_per_block or not self.windows:
+            return True
+        pages = math.ceil(num_tokens / self.tokens_per_block) * len(self.windows)
+        return self.num_free_pages is None or pages <= self.num_free_pages
+
+
+@dataclass(frozen=True)
+class CostScales:
+    prefill_load_scale: float = 1.0
+    decode_load_scale: float = 64.0
+
+    def __post_init__(self) -> None:
+        if self.prefill_load_scale < 0 or self.decode_load_scale < 0:
+            raise ValueError(f"scales must be >= 0, got {self}")
+
+
+def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, scales: CostScales) -> float:
+    """The module docstring's cost; lower is better."""
+    uncached = max(hint.num_prompt_tokens - view.hit(hint), 0)
+    ongoing = view.num_ongoing if num_ongoing is None else num_ongoing
+    cost = scales.prefill_load_scale * (view.queued_prefill_tokens + uncached) + scales.decode_load_scale * ongoing
+    return cost if view.can_hold(uncached) else cost + FULL_PENALTY
 
 
 def rank_replicas(
-    replicas: Sequence[Any], queue_len: Callable[[Any], int | None], queue_slack: int
+    replicas: Sequence[Any], hint: RoutingHint | None, queue_len: Callable[[Any], int | None], scales: CostScales
 ) -> list[list[Any]]:
-    """Ranks of ``replicas`` (anything with ``routing_stats``); see the module docstring."""
-    known = [q for q in map(queue_len, replicas) if q is not None]
-    floor = min(known, default=0)
-    shuffled = random.sample(list(replicas), len(replicas))  # fair among equals
-    less_loaded = [r for r in shuffled if (queue_len(r) or 0) <= floor + queue_slack]
-    rest = [r for r in shuffled if r not in less_loaded]
-    less_loaded.sort(key=lambda r: free_page_fraction(r.routing_stats), reverse=True)
-    return [[r] for r in less_loaded] + ([rest] if rest else [])
+    """One rank per reported replica, cheapest first, then the unreported ones as one rank.
+
+    ``replicas``: anything with ``routing_stats``; ``hint`` None (no prompt) scores load only.
+    """
+    hint = hint or RoutingHint("")
+    shuffled = random.sample(list(replicas), len(replicas))  # fair among equal costs
+    scored, unknown = [], []
+    for replica in shuffled:
+        view = ReplicaView.from_stats(replica.routing_stats or {})
+        if view is None:
+            unknown.append(replica)
+        else:
+            scored.append((replica_cost(view, hint, queue_len(replica), scales), replica))
+    scored.sort(key=lambda pair: pair[0])
+    return [[replica] for _, replica in scored] + ([unknown] if unknown else [])
+
+
+def hint_of(pending_request: PendingRequest | None) -> RoutingHint | None:
+    """The request's ``hint=``, recognised by its fields: Serve hands the router a class
+    it deserialised itself, whose module copy has its own ``RoutingHint`` class, so an
+    ``isinstance`` check fails on hints the ingress built (seen on Ray 2.60)."""
+    if pending_request is None:
+        return None
+    hint = pending_request.kwargs.get("hint")
+    if not all(hasattr(hint, f.name) for f in dataclasses.fields(RoutingHint)):
+        return None
+    return RoutingHint(**{f.name: getattr(hint, f.name) for f in dataclasses.fields(RoutingHint)})
 
 
 class KVAwareRequestRouter(FIFOMixin, RequestRouter):
-    """``request_router_kwargs``: ``queue_slack`` (default 1)."""
+    """``request_router_kwargs``: ``prefill_load_scale``, ``decode_load_scale`` (CostScales)."""
 
-    def initialize_state(self, queue_slack: int = 1, **kwargs: Any) -> None:
-        if queue_slack < 0:
-            raise ValueError(f"queue_slack must be >= 0, got {queue_slack}")
-        self.queue_slack = queue_slack
+    def initialize_state(self, prefill_load_scale: float = 1.0, decode_load_scale: float = 64.0,
+                         **kwargs: Any) -> None:
+        self.scales = CostScales(prefill_load_scale, decode_load_scale)
+        self.placements: OrderedDict[str, Any] = OrderedDict()  # request id -> replica id
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
+        hint = hint_of(pending_request)
+        if hint is not None and pending_request.metadata.call_method == "abort":
+            holder = [r for r in candidate_replicas if r.replica_id == self.placements.get(hint.request_id)]
+            if holder:
+                return [holder]
         cache = self.replica_queue_len_cache
-        return rank_replicas(candidate_replicas, lambda r: cache.get(r.replica_id), self.queue_slack)
+        return rank_replicas(candidate_replicas, hint, lambda r: cache.get(r.replica_id), self.scales)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        hint = hint_of(pending_request)
+        if hint is None or pending_request.metadata.call_method == "abort":
+            return
+        self.placements[hint.request_id] = replica_id
+        self.placements.move_to_end(hint.request_id)
+        while len(self.placements) > NUM_REMEMBERED_REQUESTS:
+            self.placements.popitem(last=False)

@@ -11,8 +11,11 @@ autoscaling_config, request_router_config, ...).
 
 A handle call reaches one replica, so /metrics cannot ask every replica
 itself: each replica pushes its page counts to ``WorkerStats`` (one replica),
-which forgets a replica that stopped reporting. The same numbers are the
-replica's routing stats (app.routing).
+which forgets a replica that stopped reporting. The same numbers, with the
+engine's routing stats (queued prefill tokens, windows, fingerprint, a Bloom
+filter of cached blocks per group), are the replica's routing stats
+(app.routing); the ingress reads the generation replicas' filters from the
+board too, to decide on a local prefill (app.placement).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from actors.messages import KVHandle
 from actors.worker_base import EngineWorker
 from app.api import build_api
 from app.config import AppConfig
-from app.routing import ROUTER_PATH
+from app.placement import PromptHasher
+from app.routing import ROUTER_PATH, RoutingHint
 from app.serve_backend import ServeBackend
 from engine.model_registry import resolve_model_path
 from engine.outputs import RequestUpdate
@@ -53,8 +57,9 @@ INGRESS_MAX_QUEUED_REQUESTS = 1024
 # Worker stats keys passed on to /metrics (app.metrics) and the router (app.routing).
 METRICS_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting", "num_cancelled",
                 "kv_transfer_bytes", "kv_transfer_seconds", "num_drafts_proposed", "num_drafts_accepted",
-                "prefix_cache_queries", "prefix_cache_hits")
-ROUTING_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting")
+                "prefix_cache_queries", "prefix_cache_hits", "num_abort_calls")
+ROUTING_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting", "queued_prefill_tokens",
+                "tokens_per_block", "windows", "kv_fingerprint", "cache_summaries")
 WORKER_OPTIONS = dict(
     ray_actor_options={"num_cpus": 0},  # workers set their own torch threads
     request_router_config={"request_router_class": ROUTER_PATH, "request_routing_stats_period_s": REPORT_PERIOD_S},
@@ -103,26 +108,34 @@ class WorkerReplica:
         self.board = board
         self.name = f"{context.deployment}#{context.replica_id.unique_id}"
         self.num_cancelled = 0  # streams whose caller went away (client disconnects)
+        self.num_abort_calls = 0  # aborts routed here (sticky: to the replica holding the request)
         self._latest: dict = {}
         await worker.start()
         self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, hint: RoutingHint | None = None) -> bool:
+        """``hint`` (ignored here) lets the router send the abort to the replica holding the request."""
+        self.num_abort_calls += 1
         return await self.worker.abort(request_id)
 
     async def ping(self) -> str:
         return self.name
 
     async def stats(self) -> dict:
-        return {**await self.worker.stats(), "num_cancelled": self.num_cancelled}
+        return {**await self.worker.stats(), "num_cancelled": self.num_cancelled,
+                "num_abort_calls": self.num_abort_calls}
 
     async def record_routing_stats(self) -> dict:
+        """The latest report's routing keys, built in ``_report_forever`` (not per call): the page
+        counts and a few ints, plus per layer group a Bloom filter of ``~1.2`` bytes per page
+        of its pool (kvcache.summary): ``~2.5 KB`` a group at 2048 pages, ``120 KB`` at 100k."""
         return {k: self._latest[k] for k in ROUTING_KEYS if k in self._latest}
 
     async def _report_forever(self) -> None:
         while True:
             try:
-                self._latest = metrics_entry(self.name, self.role, await self.stats())
+                entry = metrics_entry(self.name, self.role, await self.stats())
+                self._latest = {**entry, **await self.worker.routing_stats()}
                 await self.board.report.remote(self._latest)
             except Exception:
                 log.warning("stats report of %s failed", self.name, exc_info=True)
@@ -152,7 +165,8 @@ class ContextDeployment(WorkerReplica):
     async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
         await super().__init__("context", ContextWorker(config), board)
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      hint: RoutingHint | None = None) -> KVHandle:
         return await self.worker.prefill(request_id, prompt_token_ids, params)
 
 
@@ -162,9 +176,16 @@ class GenerationDeployment(WorkerReplica):
         await super().__init__("generation", GenerationWorker(config), board)
 
     async def generate(
-        self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams
+        self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams, hint: RoutingHint | None = None
     ) -> AsyncIterator[RequestUpdate]:
         async for update in self._relay(self.worker.generate(handle, prompt_token_ids, params)):
+            yield update
+
+    async def generate_local(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hint: RoutingHint | None = None
+    ) -> AsyncIterator[RequestUpdate]:
+        """Prefill here too (app.placement: a prompt whose uncached part is short)."""
+        async for update in self._relay(self.worker.generate_local(request_id, prompt_token_ids, params)):
             yield update
 
 
@@ -174,7 +195,7 @@ class AggregatedDeployment(WorkerReplica):
         await super().__init__("aggregated", AggregatedWorker(config), board)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hint: RoutingHint | None = None
     ) -> AsyncIterator[RequestUpdate]:
         async for update in self._relay(self.worker.generate(request_id, prompt_token_ids, params)):
             yield update
@@ -191,7 +212,9 @@ class Ingress:
         self.config = config
         self.tokenizer = Tokenizer(model_path)
         max_model_len = config.serving_max_model_len(model_path)
-        self.backend = ServeBackend(model_name=config.served_model, max_model_len=max_model_len, board=board, **workers)
+        self.backend = ServeBackend(model_name=config.served_model, max_model_len=max_model_len, board=board,
+                                    hasher=PromptHasher(config, model_path),
+                                    local_prefill_max_tokens=config.local_prefill_max_tokens, **workers)
 
     def __serve_build_asgi_app__(self):
         config = self.config
@@ -221,15 +244,21 @@ class ServeDisconnectMiddleware:
         await self.app(scope, receive_or_disconnect, send)
 
 
-def build_app(args: dict | None = None) -> serve.Application:
-    """The application of one ``AppConfig`` (``args``: its fields; ValueError if invalid)."""
+def build_app(args: dict | None = None, worker_options: dict[str, dict] | None = None) -> serve.Application:
+    """The application of one ``AppConfig`` (``args``: its fields; ValueError if invalid).
+
+    ``worker_options``: Serve options by worker deployment name (``{"ContextWorker":
+    {"num_replicas": 2}}``), for tests and benchmarks that serve in process; a Serve
+    config's ``deployments:`` list does the same for ``serve run``.
+    """
     config = AppConfig.model_validate(args or {})
     worker_config = config.to_worker_config()
     max_ongoing = max(8, 2 * config.max_num_seqs)
     board = WorkerStats.bind()
 
     def worker(deployment):
-        return deployment.options(max_ongoing_requests=max_ongoing).bind(worker_config, board)
+        options = {"max_ongoing_requests": max_ongoing, **(worker_options or {}).get(deployment.name, {})}
+        return deployment.options(**options).bind(worker_config, board)
 
     if config.mode == "disagg":
         workers = {"context": worker(ContextDeployment), "generation": worker(GenerationDeployment)}

@@ -37,7 +37,7 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from engine.stopping import StopChecker
 from engine.tokenizer import IncrementalDecoder
 from engine.worker_model import WorkerModel
-from kvcache import KVCacheManager, extend_block_hashes, kv_fingerprint
+from kvcache import BlockSummary, KVCacheManager, extend_block_hashes, kv_fingerprint
 
 
 class PromptTooLongError(ValueError):
@@ -319,4 +319,27 @@ class LLMEngine:
             "prefix_cache_queries": scheduler.num_prefix_queried_tokens + self.num_transfer_queried_tokens,
             "prefix_cache_hits": scheduler.num_prefix_hit_tokens + self.num_transfer_hit_tokens,
             "num_cached_blocks": self.manager.num_cached_blocks(),
+        }
+
+    def routing_stats(self) -> dict:
+        """What a KV-aware router (app.routing) weighs besides ``stats()``' page counts.
+
+        ``queued_prefill_tokens``: prompt tokens still to compute here, the waiting
+        requests' whole and the running ones' uncomputed prompt part. ``cache_summaries``:
+        per group, a Bloom filter (kvcache.summary) of the block names its pool caches,
+        sized by that pool's pages (about 1.2 bytes a page at 1% false positives),
+        so the report stays bounded however many blocks are cached.
+        """
+        scheduler, manager = self.scheduler, self.manager
+        queued = sum(r.num_uncomputed_tokens for r in scheduler.waiting)
+        queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.running)
+        groups = manager.spec.groups
+        return {
+            "queued_prefill_tokens": queued,
+            "tokens_per_block": manager.spec.tokens_per_block,
+            "windows": {g.name: g.window for g in groups},
+            "kv_fingerprint": self.hash_extra,
+            "cache_summaries": {g.name: BlockSummary.of(manager.cached_block_hashes(g.name),
+                                                        capacity=manager.num_total_pages(g.name)).to_bytes()
+                                for g in groups},
         }

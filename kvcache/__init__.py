@@ -6,12 +6,14 @@ from kvcache.capacity import get_kv_capacity_tokens, num_blocks
 from kvcache.hashing import NO_PARENT, block_hash, block_hashes, extend_block_hashes, kv_fingerprint
 from kvcache.manager import KVCacheManager
 from kvcache.pool import PagePool
-from kvcache.prefix import cached_prefix_length, longest_hit
+from kvcache.prefix import cached_prefix_length, hit_for_windows, longest_hit
 from kvcache.slicing import UNBOUND, KVSliceError, plan_pull, plan_slice, slice_range, stale_end
 from kvcache.spec import KVCacheSpec, LayerGroup
 from kvcache.storage import PageStorage
+from kvcache.summary import BlockSummary
 
 __all__ = [
+    "BlockSummary",
     "NO_PARENT",
     "UNBOUND",
     "KVCacheManager",
@@ -23,6 +25,7 @@ __all__ = [
     "block_hash",
     "block_hashes",
     "cached_prefix_length",
+    "hit_for_windows",
     "extend_block_hashes",
     "get_kv_capacity_tokens",
     "kv_fingerprint",

@@ -83,10 +83,22 @@ def cached_prefix_length(
 ) -> int:
     """The hit for a prompt of ``num_prompt_tokens`` named by ``block_hashes``, given the
     names each group holds (a manager's pools, or what a router knows of a replica)."""
-    B = spec.tokens_per_block
-    num_candidates = min(len(block_hashes), max(0, num_prompt_tokens - 1) // B)
-    cached = [(g.window, [h in cached_hashes[g.name] for h in block_hashes[:num_candidates]]) for g in spec.groups]
-    return longest_hit(cached, B)
+    windows = {g.name: g.window for g in spec.groups}
+    return hit_for_windows(windows, spec.tokens_per_block, cached_hashes, block_hashes, num_prompt_tokens)
+
+
+def hit_for_windows(
+    windows: Mapping[str, int | None],
+    tokens_per_block: int,
+    cached_hashes: Mapping[str, Container[bytes]],
+    block_hashes: Sequence[bytes],
+    num_prompt_tokens: int,
+) -> int:
+    """``cached_prefix_length`` from each group's window alone (what a router knows of a replica)."""
+    num_candidates = min(len(block_hashes), max(0, num_prompt_tokens - 1) // tokens_per_block)
+    candidates = block_hashes[:num_candidates]
+    cached = [(window, [h in cached_hashes[name] for h in candidates]) for name, window in windows.items()]
+    return longest_hit(cached, tokens_per_block)
 
 
 def find_hit_pages(

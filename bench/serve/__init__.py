@@ -3,6 +3,7 @@
     python -m bench.serve --base-url http://127.0.0.1:8000/v1 --model windserve-tiny [--rate R | --concurrency C]
     python -m bench.serve --compare [--quick]     # configs/disagg.yaml, then configs/aggregated.yaml
     python -m bench.serve --workload shared-prefix [--quick] [--config configs/disagg.yaml]
+    python -m bench.serve --workload shared-prefix --context-replicas 2 [--quick]   # KV-aware vs default router
 
 A trace is a seeded list of requests (arrival time, prompt, exact output
 length via ``max_tokens`` + ``ignore_eos``). Every request streams
@@ -23,6 +24,7 @@ alternates seeded multi-turn chats between them (bench.serve.prefix).
     trace.py     the seeded requests            client.py   streaming HTTP client, per-chunk times
     stats.py     percentiles, CDF plots         compare.py  --compare: serve the configs, same traces
     prefix.py    --workload shared-prefix       cli.py      arguments, one endpoint, main
+    routing.py   ... --context-replicas N: KV-aware vs Serve's default router
     __main__.py  the command line's watchdog
 """
 

@@ -11,6 +11,7 @@ from bench.common import print_table, progress, write_json, write_plot
 from bench.serve.client import run_load
 from bench.serve.compare import compare
 from bench.serve.prefix import shared_prefix
+from bench.serve.routing import routing_compare
 from bench.serve.stats import draw, summarize, summary_rows
 from bench.serve.trace import RequestSpec, make_trace
 
@@ -26,7 +27,7 @@ def trace_from_args(args: argparse.Namespace) -> list[RequestSpec]:
 def bench_endpoint(args: argparse.Namespace) -> dict:
     trace = trace_from_args(args)
     progress(f"{len(trace)} requests to {args.base_url} ({args.model}), "
-             f"{'rate %.2f/s' % args.rate if args.rate else 'all at once'}, concurrency {args.concurrency}")
+             f"{f'rate {args.rate:.2f}/s' if args.rate else 'all at once'}, concurrency {args.concurrency}")
     results, elapsed = asyncio.run(run_load(args.base_url, args.model, trace, args.concurrency, args.max_seconds))
     summary = summarize(results, elapsed)
     settings = {k: v for k, v in vars(args).items() if k not in ("compare", "out")}
@@ -69,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--off-url", default=None,
                         help="--workload shared-prefix: measure --base-url (cache on) and this endpoint (off) "
                              "instead of serving --config")
+    parser.add_argument("--context-replicas", type=int, default=1,
+                        help="--workload shared-prefix: with 2 or more, KV-aware vs Serve's default router "
+                             "(bench.serve.routing) instead of cache on vs off")
+    parser.add_argument("--generation-replicas", type=int, default=1, help="with --context-replicas")
     parser.add_argument("--out", default=os.path.join("bench", "out"))
     return parser.parse_args(argv)
 
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     """
     args = parse_args(argv)
     if args.workload == "shared-prefix":
-        return shared_prefix(args)
+        return routing_compare(args) if args.context_replicas > 1 else shared_prefix(args)
     return compare(args) if args.compare else bench_endpoint(args)
 
 

@@ -71,13 +71,15 @@ def load_serve_config(path: str) -> tuple[dict, dict]:
 
 
 @contextlib.contextmanager
-def serving(configs: dict[str, str], port: int | None, max_seconds: float, overrides: dict[str, dict] | None = None):
+def serving(configs: dict[str, str], port: int | None, max_seconds: float, overrides: dict[str, dict] | None = None,
+            worker_options: dict[str, dict] | None = None):
     """Serve every config at once (Ray started here, Serve on 127.0.0.1); yields {mode: base url}.
 
     One config keeps its own route prefix; several get ``/<mode>`` each. ``overrides[mode]``
     replaces some of that config's args (the same path may then be served twice, differing
-    only there). Each is warmed up (first requests pay one-time costs); Serve and Ray are shut
-    down on the way out.
+    only there); ``worker_options[mode]`` is build_app's, by worker deployment name. Each
+    is warmed up (first requests pay one-time costs); Serve and Ray are shut down on the
+    way out.
     """
     import ray
     from ray import serve
@@ -97,7 +99,8 @@ def serving(configs: dict[str, str], port: int | None, max_seconds: float, overr
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         started = time.monotonic()
-        serve.run_many([serve.RunTarget(build_app(app["args"]), name=mode, route_prefix=prefixes[mode])
+        serve.run_many([serve.RunTarget(build_app(app["args"], (worker_options or {}).get(mode)), name=mode,
+                                        route_prefix=prefixes[mode])
                         for mode, (app, _) in loaded.items()])
         urls = {mode: f"http://127.0.0.1:{port}{prefix.rstrip('/')}" for mode, prefix in prefixes.items()}
         for mode, url in urls.items():

@@ -15,8 +15,14 @@ from ray.serve.schema import ServeDeploySchema
 
 from actors.config import WorkerConfig
 from app.config import API_KEY_ENV, AppConfig
+from app.routing import ROUTER_PATH, CostScales
 from app.serve_app import (
-    INGRESS_MAX_QUEUED_REQUESTS, AggregatedDeployment, ContextDeployment, GenerationDeployment, Ingress, WorkerStats,
+    INGRESS_MAX_QUEUED_REQUESTS,
+    AggregatedDeployment,
+    ContextDeployment,
+    GenerationDeployment,
+    Ingress,
+    WorkerStats,
     build_app,
 )
 from engine.config import EngineConfig
@@ -70,7 +76,8 @@ def test_local_configs_serve_on_loopback():
     for name in ("disagg.yaml", "aggregated.yaml"):
         config = serve_config(ROOT / "configs" / name)
         assert (config.http_options.host, config.http_options.port) == ("127.0.0.1", 8000)
-    assert AppConfig.model_validate(serve_config(ROOT / "configs" / "disagg.yaml").applications[0].args).mode == "disagg"
+    disagg_args = serve_config(ROOT / "configs" / "disagg.yaml").applications[0].args
+    assert AppConfig.model_validate(disagg_args).mode == "disagg"
 
 
 def shell_words(command: str) -> list[str]:
@@ -127,6 +134,30 @@ def test_cluster_config_asks_only_for_resources_the_compose_nodes_offer():
     assert asked <= node_resources()
 
 
+def node_units() -> dict[str, int]:
+    units = {}
+    for words in compose_commands().values():
+        for word in words:
+            if word.startswith("--resources="):
+                units.update(json.loads(word.split("=", 1)[1]))
+    return units
+
+
+def test_cluster_config_routes_by_kv_over_at_least_two_replicas_of_each_worker():
+    (app,) = serve_config(ROOT / "configs" / "cluster.yaml").applications
+    workers = {d.name: d for d in app.deployments if d.name != "Ingress"}
+    assert set(workers) == {"ContextWorker", "GenerationWorker"}
+    for deployment in workers.values():
+        router = deployment.request_router_config
+        assert router["request_router_class"] == ROUTER_PATH
+        assert CostScales(**router["request_router_kwargs"])  # only the router's own knobs, valid
+        scaling = deployment.autoscaling_config
+        assert scaling["min_replicas"] >= 2
+        (resource,) = deployment.ray_actor_options.resources
+        assert node_units()[resource] >= scaling["max_replicas"], resource  # the compose node can host them all
+    assert AppConfig.model_validate(app.args).local_prefill_max_tokens >= 0
+
+
 def test_app_config_maps_onto_the_worker_config():
     config = AppConfig.model_validate({"tokens_per_block": 8, "num_pages": 64, "max_model_len": 100,
                                        "max_draft_len": 2, "device": "cpu", "lease_s": 5})
@@ -141,7 +172,7 @@ def test_every_worker_and_engine_knob_is_reachable_from_the_args():
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)} - engine_fields
     app_fields = {f.name for f in dataclasses.fields(AppConfig)} - engine_fields - worker_fields
-    assert app_fields == {"mode", "api_key", "max_queue", "served_model_name"}
+    assert app_fields == {"mode", "api_key", "max_queue", "served_model_name", "local_prefill_max_tokens"}
     assert {"claim_s", "transfer_timeout_s", "reserve_timeout_s", "torch_threads"} <= worker_fields
     assert {"drafter", "num_extra_kv_tokens", "seed"} <= engine_fields
     args = {"drafter": "none", "num_extra_kv_tokens": 3, "seed": 7, "claim_s": 9, "transfer_timeout_s": 11,
@@ -178,6 +209,7 @@ def test_serving_max_model_len_counts_the_configured_scratch():
     ({"device": "tpu"}, "device must be"),
     ({"api_key": ""}, "api_key must be non-empty"),
     ({"max_queue": -1}, "greater than or equal to 0"),
+    ({"local_prefill_max_tokens": -1}, "local_prefill_max_tokens must be greater than or equal to 0"),
     ({"num_pages": "many"}, "Input should be a valid integer"),
     ({"drafter": "eagle"}, "unknown drafter kind 'eagle'"),
     ({"claim_s": 0}, "claim_s must be greater than 0"),

@@ -12,7 +12,6 @@ import json
 import socket
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -21,7 +20,6 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from app.routing import rank_replicas
 from app.serve_app import build_app
 from bench.common import start_ray
 from engine.model_registry import resolve_model_path
@@ -298,17 +296,3 @@ def test_a_repeated_prompt_reports_cached_tokens_and_counts_hits(mode, client, a
     expected = (before[0] + 2 * num_prompt_tokens, before[1] + second.prompt_tokens_details.cached_tokens)
     assert wait_until(lambda: prefix_cache_tokens(url)[role] == expected, timeout_s=10), prefix_cache_tokens(url)
 
-
-def fake_replica(name: str, free: int | None, total: int = 100):
-    stats = {} if free is None else {"num_free_pages": free, "num_total_pages": total}
-    return SimpleNamespace(name=name, routing_stats=stats)
-
-
-def test_router_prefers_free_pages_among_the_less_loaded():
-    replicas = [fake_replica("a", 90), fake_replica("b", 10), fake_replica("c", 99), fake_replica("d", None)]
-    queue = {"a": 1, "b": 0, "c": 5, "d": None}
-    ranks = rank_replicas(replicas, lambda r: queue[r.name], queue_slack=1)
-    # c has the most free pages but the longest queue; d has not reported (unknown = less loaded, ranked last).
-    assert [[r.name for r in rank] for rank in ranks] == [["a"], ["b"], ["d"], ["c"]]
-    ranks = rank_replicas(replicas, lambda r: queue[r.name], queue_slack=5)
-    assert [r.name for rank in ranks for r in rank] == ["c", "a", "b", "d"]

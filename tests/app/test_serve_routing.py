@@ -1,0 +1,165 @@
+"""KV-aware routing on real Serve: 2 context + 2 generation replicas, HTTP on 127.0.0.1.
+
+    /kv   ContextWorker x2 + GenerationWorker x2 (app.routing's router), prefix cache on,
+          local_prefill_max_tokens = LOCAL_MAX: prompts with a short uncached part skip the context side
+    /agg  one AggregatedWorker, the reference output
+
+Per-replica counters come from /metrics (prefix-cache hits) and the WorkerStats
+board (pages, cancelled streams, aborts received).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from app.serve_app import build_app
+from bench.common import start_ray
+from engine.tiny import resolve_model_path
+from engine.tokenizer import Tokenizer
+from tests.app.fakes import openai_client, wait_until
+from tests.app.test_serve import free_port, metric_samples
+
+MODEL = "windserve-tiny"
+B = 8
+ENGINE = {"model": MODEL, "tokens_per_block": B, "num_pages": 96, "max_num_seqs": 8, "device": "cpu",
+          "dtype": "float32"}
+LOCAL_MAX = 16
+TWO_EACH = {"ContextWorker": {"num_replicas": 2}, "GenerationWorker": {"num_replicas": 2}}
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+ROUTING_DELAY_S = 3.0  # a replica's stats report (1 s) then Serve's routing-stats poll (1 s)
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    start_ray(address="local", num_cpus=2)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run_many([
+        serve.RunTarget(build_app({**ENGINE, "mode": "disagg", "local_prefill_max_tokens": LOCAL_MAX}, TWO_EACH),
+                        name="kv", route_prefix="/kv"),
+        serve.RunTarget(build_app({**ENGINE, "mode": "aggregated", "transport": "local"}), name="agg",
+                        route_prefix="/agg"),
+    ])
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def kv_url(base_url: str) -> str:
+    url = f"{base_url}/kv"
+    assert wait_until(lambda: len(board_entries()) == 4, timeout_s=60)
+    return url
+
+
+@pytest.fixture(scope="module")
+def clients(kv_url: str, base_url: str) -> dict[str, openai.OpenAI]:
+    return {"kv": openai_client(kv_url).with_options(timeout=60),
+            "agg": openai_client(f"{base_url}/agg").with_options(timeout=60)}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(resolve_model_path(MODEL))
+
+
+def text(seed: int, num_chars: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(string.ascii_lowercase + " ") for _ in range(num_chars))
+
+
+def board_entries() -> dict[str, dict]:
+    board = serve.get_deployment_handle("WorkerStats", app_name="kv")
+    return {e["name"]: e for e in board.snapshot.remote().result()}
+
+
+def settled(read, rounds: int = 10):
+    """``read()`` once two reads a report period apart agree (replicas report every second)."""
+    latest = read()
+    for _ in range(rounds):
+        time.sleep(1.2)
+        previous, latest = latest, read()
+        if latest == previous:
+            break
+    return latest
+
+
+def hits_by_replica(url: str) -> dict[tuple[str, str], float]:
+    return metric_samples(url, "windserve_prefix_cache_hits_total")
+
+
+def counter_by_replica(key: str) -> dict[str, float]:
+    return {name: e.get(key, 0) for name, e in board_entries().items()}
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(kv_url, clients, tokenizer):
+    prefix = text(1, 200)
+    cacheable = len(tokenizer.encode(prefix)) // B * B
+    num_requests = 4
+    clients["kv"].completions.create(model=MODEL, prompt=prefix + text(2, 40), max_tokens=2, **GREEDY)
+    time.sleep(ROUTING_DELAY_S)
+    before = settled(lambda: hits_by_replica(kv_url))
+    for i in range(num_requests):
+        # 40 new tokens: more than LOCAL_MAX uncached, so the context side prefills it
+        clients["kv"].completions.create(model=MODEL, prompt=prefix + text(10 + i, 40), max_tokens=2, **GREEDY)
+    hits = delta(before, settled(lambda: hits_by_replica(kv_url)))
+    for role in ("context", "generation"):
+        per_replica = sorted((v for (_, r), v in hits.items() if r == role), reverse=True)
+        assert len(per_replica) == 2, hits
+        assert per_replica[0] >= 0.8 * num_requests * cacheable, (role, hits)
+        assert per_replica[1] == 0, (role, hits)
+
+
+@pytest.mark.parametrize("sampling, seed", [(GREEDY, 20), ({"temperature": 0.8, "seed": 1234,
+                                                             "extra_body": {"ignore_eos": True}}, 50)],
+                         ids=["greedy", "seeded"])
+def test_disagg_local_and_aggregated_give_the_same_tokens(sampling, seed, kv_url, clients, tokenizer):
+    """New prompts each run: a prompt seen before is cached on a generation replica, so it goes local."""
+    short = [text(seed + i, 10) for i in range(3)]  # at most LOCAL_MAX tokens: prefilled on a generation replica
+    long = [text(seed + 10 + i, 60) for i in range(3)]  # uncached part > LOCAL_MAX: context replica, then transfer
+    assert all(len(tokenizer.encode(p)) <= LOCAL_MAX < len(tokenizer.encode(q)) for p, q in zip(short, long))
+    for group, is_local in ((short, True), (long, False)):
+        before = settled(lambda: counter_by_replica("prefix_cache_queries"))
+        for prompt in group:
+            kv, agg = (clients[app].completions.create(model=MODEL, prompt=prompt, max_tokens=16, **sampling)
+                       for app in ("kv", "agg"))
+            assert kv.choices[0].text == agg.choices[0].text, prompt
+        queried = delta(before, settled(lambda: counter_by_replica("prefix_cache_queries")))
+        context_queries = sum(v for name, v in queried.items() if name.startswith("ContextWorker"))
+        assert context_queries == (0 if is_local else sum(len(tokenizer.encode(p)) for p in group)), queried
+
+
+def test_an_abort_lands_on_the_replicas_that_hold_the_request(kv_url):
+    assert wait_until(lambda: all(e["num_running"] == 0 for e in board_entries().values()), timeout_s=20)
+    before = settled(lambda: {n: (e["num_abort_calls"], e["num_cancelled"]) for n, e in board_entries().items()})
+    body = {"model": MODEL, "prompt": text(40, 60), "max_tokens": 700, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{kv_url}/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert wait_until(lambda: any(e["pages_in_use"] > 0 and e["role"] == "generation"
+                                      for e in board_entries().values()), timeout_s=10)
+        holders = {n for n, e in board_entries().items() if e["pages_in_use"] > 0}
+    assert len(holders) == 1 and next(iter(holders)).startswith("GenerationWorker"), holders
+    assert wait_until(lambda: all(e["pages_in_use"] == 0 for e in board_entries().values()), timeout_s=20)
+    after = settled(lambda: {n: (e["num_abort_calls"], e["num_cancelled"]) for n, e in board_entries().items()})
+    aborted = {n for n in after if after[n][0] > before[n][0]}
+    cancelled = {n for n in after if after[n][1] > before[n][1]}
+    assert cancelled == holders
+    generation_aborted = {n for n in aborted if n.startswith("GenerationWorker")}
+    assert generation_aborted == holders  # the abort reached the holder, not the other replica
+    assert len([n for n in aborted if n.startswith("ContextWorker")]) == 1  # the one that prefilled it
+    assert all(after[n][0] - before[n][0] == 1 for n in aborted)
