@@ -17,6 +17,8 @@ Ray actor right after creation), and ``shutdown()`` when done with it::
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from actors.compat import compat_descriptor
@@ -26,6 +28,7 @@ from actors.engine_loop import EngineLoop
 from actors.peers import PeerDirectory
 from actors.transport import make_transport, unique_agent_name
 from engine import LLMEngine
+from engine.engine import summarize_cache
 
 
 class EngineWorker:
@@ -54,7 +57,8 @@ class EngineWorker:
 
     async def routing_stats(self) -> dict:
         """What a KV-aware router weighs (``LLMEngine.routing_stats``)."""
-        return await self.loop.call(self.engine.routing_stats)
+        stats = await self.loop.call(self.engine.routing_stats)  # names copied under the engine lock
+        return await asyncio.to_thread(summarize_cache, stats)  # the filter built outside it
 
     async def check_integrity(self) -> None:
         await self.loop.call(self.engine.manager.check_integrity)

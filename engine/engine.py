@@ -325,10 +325,9 @@ class LLMEngine:
         """What a KV-aware router (app.routing) weighs besides ``stats()``' page counts.
 
         ``queued_prefill_tokens``: prompt tokens still to compute here, the waiting
-        requests' whole and the running ones' uncomputed prompt part. ``cache_summaries``:
-        per group, a Bloom filter (kvcache.summary) of the block names its pool caches,
-        sized by that pool's pages (about 1.2 bytes a page at 1% false positives),
-        so the report stays bounded however many blocks are cached.
+        requests' whole and the running ones' uncomputed prompt part. ``cached_block_names``:
+        per group, a copy of the names its pool caches and the pool's page count, for the
+        caller to summarize (``summarize_cache``) outside whatever lock guards the engine.
         """
         scheduler, manager = self.scheduler, self.manager
         queued = sum(r.num_uncomputed_tokens for r in scheduler.waiting)
@@ -339,7 +338,15 @@ class LLMEngine:
             "tokens_per_block": manager.spec.tokens_per_block,
             "windows": {g.name: g.window for g in groups},
             "kv_fingerprint": self.hash_extra,
-            "cache_summaries": {g.name: BlockSummary.of(manager.cached_block_hashes(g.name),
-                                                        capacity=manager.num_total_pages(g.name)).to_bytes()
-                                for g in groups},
+            "cached_block_names": {g.name: (list(manager.cached_block_hashes(g.name)), manager.num_total_pages(g.name))
+                                   for g in groups},
         }
+
+
+def summarize_cache(routing_stats: dict) -> dict:
+    """``routing_stats`` with each group's cached names replaced by a Bloom filter
+    (kvcache.summary) sized by the pool's pages: about 1.2 bytes a page at 1% false
+    positives, so a report stays bounded however many blocks are cached."""
+    names = routing_stats["cached_block_names"]
+    summaries = {g: BlockSummary.of(hashes, capacity=num_pages).to_bytes() for g, (hashes, num_pages) in names.items()}
+    return {k: v for k, v in routing_stats.items() if k != "cached_block_names"} | {"cache_summaries": summaries}

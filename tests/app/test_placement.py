@@ -11,7 +11,8 @@ from app.config import AppConfig
 from app.placement import GenerationCaches, PromptHasher
 from app.routing import ReplicaView, RoutingHint
 from engine import LLMEngine, SamplingParams
-from engine.tiny import resolve_model_path
+from engine.engine import summarize_cache
+from engine.model_registry import resolve_model_path
 
 B = 8
 ARGS = {"tokens_per_block": B, "num_pages": 64, "device": "cpu", "max_num_batched_tokens": 64}
@@ -45,7 +46,7 @@ def run(engine: LLMEngine, request_id: str, token_ids: list[int]) -> None:
 
 
 def view(engine: LLMEngine) -> ReplicaView:
-    return ReplicaView.from_stats({**engine.stats(), **engine.routing_stats()})
+    return ReplicaView.from_stats({**engine.stats(), **summarize_cache(engine.routing_stats())})
 
 
 def test_the_ingress_names_blocks_as_the_engine_does(engine, hasher):
@@ -74,7 +75,7 @@ def test_queued_prefill_counts_waiting_and_uncomputed_prompt_tokens(engine):
 
 
 def test_routing_stats_describe_the_groups(engine):
-    stats = engine.routing_stats()
+    stats = summarize_cache(engine.routing_stats())
     assert stats["tokens_per_block"] == B and stats["kv_fingerprint"] == engine.hash_extra
     assert stats["windows"] == {g.name: g.window for g in engine.manager.spec.groups}
     assert set(stats["cache_summaries"]) == set(stats["windows"])
@@ -85,7 +86,7 @@ def test_generation_caches_take_the_best_generation_replica(engine, hasher):
     system = prompt(5, 40)
     run(engine, "warm", system + prompt(6, 3))
     hint = hasher.hint("q", system + prompt(7, 20))
-    warm = {"role": "generation", **engine.stats(), **engine.routing_stats()}
+    warm = {"role": "generation", **engine.stats(), **summarize_cache(engine.routing_stats())}
     caches = GenerationCaches(board=None)
     assert caches.best_hit(hint) == 0  # nothing reported yet
     context = {**warm, "role": "context"}

@@ -23,7 +23,7 @@ from ray import serve
 
 from app.serve_app import build_app
 from bench.common import start_ray
-from engine.tiny import resolve_model_path
+from engine.model_registry import resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client, wait_until
 from tests.app.test_serve import free_port, metric_samples
