@@ -10,6 +10,7 @@ from dataclasses import asdict
 from bench.common import print_table, progress, write_json, write_plot
 from bench.serve.client import run_load
 from bench.serve.compare import compare
+from bench.serve.local_prefill import local_prefill
 from bench.serve.prefix import shared_prefix
 from bench.serve.routing import routing_compare
 from bench.serve.stats import draw, summarize, summary_rows
@@ -63,8 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--in-turn", action="store_true",
                         help="--compare: serve one config at a time (default: both at once, requests alternating)")
     parser.add_argument("--port", type=int, default=None, help="--compare: port instead of the configs' own")
-    parser.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
-                        help="shared-prefix: multi-turn chats, prefix cache on vs off (bench.serve.prefix)")
+    parser.add_argument("--workload", choices=("random", "shared-prefix", "local-prefill"), default="random",
+                        help="shared-prefix: multi-turn chats, prefix cache on vs off (bench.serve.prefix); "
+                             "local-prefill: TTFT of local prefill vs the context hop (bench.serve.local_prefill)")
     parser.add_argument("--config", default=os.path.join("configs", "disagg.yaml"),
                         help="--workload shared-prefix: the config served twice, cache on and off")
     parser.add_argument("--off-url", default=None,
@@ -87,9 +89,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.workload == "shared-prefix":
         return routing_compare(args) if args.context_replicas > 1 else shared_prefix(args)
+    if args.workload == "local-prefill":
+        return local_prefill(args)
     return compare(args) if args.compare else bench_endpoint(args)
 
 
 def watchdog_s(args: argparse.Namespace) -> float:
     """How long ``python -m bench.serve`` may run before it dumps every thread's stack and exits."""
-    return 900.0 if args.compare or args.workload == "shared-prefix" else args.max_seconds + 120.0
+    return 900.0 if args.compare or args.workload != "random" else args.max_seconds + 120.0
