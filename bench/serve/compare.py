@@ -40,6 +40,10 @@ NUM_WARMUP = 3
 LOW_LOAD_TTFT_TARGET = 1.2
 
 
+# --compare measures disaggregation itself: no prompt takes the local-prefill shortcut.
+PURE_DISAGG = {"disagg": {"local_prefill_max_tokens": 0}}
+
+
 def port_is_free(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
@@ -88,6 +92,8 @@ def serving(configs: dict[str, str], port: int | None, max_seconds: float, overr
 
     loaded = {mode: load_serve_config(path) for mode, path in configs.items()}
     for mode, args in (overrides or {}).items():
+        if mode not in loaded:
+            continue
         application, http_options = loaded[mode]
         loaded[mode] = ({**application, "args": {**application["args"], **args}}, http_options)
     port = port or next(iter(loaded.values()))[1].get("port", 8000)
@@ -120,7 +126,7 @@ def merged(runs: list[tuple[list[RequestResult], float]]) -> tuple[list[RequestR
 
 def compare_side_by_side(phases: dict, model: str, args: argparse.Namespace) -> dict[str, dict]:
     """Both configs served at once; low load alternates request by request, the mix runs ABBA."""
-    with serving(COMPARE_CONFIGS, args.port, args.max_seconds) as urls:
+    with serving(COMPARE_CONFIGS, args.port, args.max_seconds, PURE_DISAGG) as urls:
         low = asyncio.run(run_alternating(urls, model, phases["low"][0], args.max_seconds))
         progress("low load done (alternating request by request)")
         trace, concurrency = phases["mix"]
@@ -134,7 +140,7 @@ def compare_in_turn(phases: dict, model: str, args: argparse.Namespace) -> dict[
     """Each config alone: serve, run both phases, shut down, next."""
     out = {}
     for mode, path in COMPARE_CONFIGS.items():
-        with serving({mode: path}, args.port, args.max_seconds) as urls:
+        with serving({mode: path}, args.port, args.max_seconds, PURE_DISAGG) as urls:
             out[mode] = {phase: asyncio.run(run_load(urls[mode], model, trace, concurrency, args.max_seconds,
                                                      f"{mode} {phase}"))
                          for phase, (trace, concurrency) in phases.items()}
