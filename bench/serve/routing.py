@@ -70,7 +70,10 @@ def routing_compare(args: argparse.Namespace) -> dict:
     progress(f"routing: {len(trace)} requests per mode, {args.context_replicas} context replicas ({sizes})")
     model = load_serve_config(args.config)[0]["args"]["model"]
     options = {mode: worker_options(args, mode) for mode in MODES}
-    with serving(dict.fromkeys(MODES, args.config), args.port, args.max_seconds, worker_options=options) as urls:
+    # Every prompt goes through a context replica: the context router is what is measured.
+    no_local = dict.fromkeys(MODES, {"local_prefill_max_tokens": 0})
+    with serving(dict.fromkeys(MODES, args.config), args.port, args.max_seconds, no_local,
+                 worker_options=options) as urls:
         runs = run_workload(urls, model, trace, args.max_seconds)
     figures = routing_figures(runs)
     write_json(args.out, "serve_routing", {"sizes": sizes, "seed": args.seed, "config": args.config,
