@@ -194,15 +194,24 @@ def _attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
 
 
 def _attend_with_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
-    """As :func:`_attend`, with one learned logit per head added to the softmax denominator."""
-    num_req, num_q, num_heads, dim = q.shape
-    num_kv_heads, num_k = k.shape[2], k.shape[1]
-    rep = num_heads // num_kv_heads
-    q = q.view(num_req, num_q, num_kv_heads, rep, dim).permute(0, 2, 3, 1, 4).reshape(num_req, num_kv_heads, -1, dim)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float().mul_(scale)
-    scores = scores.view(num_req, num_kv_heads, rep, num_q, num_k).masked_fill_(~mask[:, None, None], float("-inf"))
-    sink = sinks.float().view(1, num_kv_heads, rep, 1, 1).expand(num_req, -1, -1, num_q, 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :num_k]
-    out = torch.matmul(probs.to(v.dtype).reshape(num_req, num_kv_heads, -1, num_k), v.transpose(1, 2))
-    out = out.view(num_req, num_kv_heads, rep, num_q, dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_req, num_q, num_heads, dim)
+    """As :func:`_attend`, with one learned logit per head added to the softmax denominator.
+
+    The sink is one more key column, through the same fused kernel: its key and
+    value are zero, so its score is ``0 + bias = sinks[h]`` and it adds nothing
+    to the output, only ``exp(sinks[h])`` to the denominator::
+
+        key column   0 .......... K-1 | K
+        bias         0 / -inf (mask)  | sinks[h]
+        k, v         the gathered keys | 0
+    """
+    num_req, num_q, num_heads, _ = q.shape
+    num_k = k.shape[1]
+    k = F.pad(k, (0, 0, 0, 0, 0, 1))
+    v = F.pad(v, (0, 0, 0, 0, 0, 1))
+    bias = torch.empty(num_req, num_heads, num_q, num_k + 1, dtype=q.dtype, device=q.device)
+    bias[..., :num_k] = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask[:, None], float("-inf"))
+    bias[..., num_k] = sinks.to(q.dtype)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)
