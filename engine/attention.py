@@ -206,8 +206,8 @@ def _attend_with_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
     """
     num_req, num_q, num_heads, _ = q.shape
     num_k = k.shape[1]
-    k = F.pad(k, (0, 0, 0, 0, 0, 1))
-    v = F.pad(v, (0, 0, 0, 0, 0, 1))
+    zero = k.new_zeros(num_req, 1, *k.shape[2:])
+    k, v = torch.cat([k, zero], dim=1), torch.cat([v, zero], dim=1)
     bias = torch.empty(num_req, num_heads, num_q, num_k + 1, dtype=q.dtype, device=q.device)
     bias[..., :num_k] = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask[:, None], float("-inf"))
     bias[..., num_k] = sinks.to(q.dtype)[:, None]
