@@ -125,7 +125,8 @@ def build_group_attention(
     for q in query_lens[:-1]:
         offsets.append(offsets[-1] + q)
     table = _padded_table(batch.block_tables[group], (max(seq_lens) - 1) // block_size + 1)
-    positions = batch.expected_positions()
+    # On the CPU ForwardBatch checked that positions equal these; a device tensor would need a sync.
+    positions = batch.positions if batch.positions.device.type == "cpu" else batch.expected_positions()
     requests = torch.repeat_interleave(torch.arange(batch.num_requests), torch.tensor(query_lens))
     write_pages = table[requests, positions // block_size]
     _raise_unbound(write_pages, torch.ones_like(write_pages, dtype=torch.bool), group, "a KV write")

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.forward import ForwardBatch
+from engine.forward import ForwardBatch, positions_of
 from engine.scheduler import ScheduledRequest
 from kvcache import KVCacheManager
 
@@ -58,7 +58,7 @@ class ModelRunner:
                 rows.append((first, len(logits_indices)))
             else:
                 rows.append(None)
-        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+        positions = positions_of(query_lens, seq_lens)
         tables = {
             group.name: [self.manager.get_block_ordinals(item.request.request_id, group.name) for item in scheduled]
             for group in self.manager.spec.groups
