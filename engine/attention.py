@@ -30,6 +30,8 @@ from engine.forward import ForwardBatch
 
 # Padding a bucket is allowed to waste: 2x the real score count plus this many scores.
 _BUCKET_SLACK = 1 << 16
+# Key columns of one block of the CPU flash-attention kernel (kvSplitSize in ATen).
+_INVARIANT_KEY_BLOCK = 512
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,6 @@ def paged_attention(
     for row, new in ((k_row, key), (k_row + 1, value)):
         token_rows.index_copy_(0, meta.write_rows + row * block_size, new.reshape(num_tokens, -1).to(kv_cache.dtype))
     page_rows = kv_cache.view(-1, block_size * token_rows.shape[1])
-    attend = _attend if sinks is None else _attend_with_sinks
     out = torch.empty_like(query)
     for b in meta.buckets:
         keys = _gather(page_rows, b, k_row, key.shape[1:]).to(query.dtype)
@@ -186,33 +187,53 @@ def _gather(page_rows: torch.Tensor, bucket: AttentionBucket, row: int, head_sha
     return flat.view(bucket.mask.shape[0], -1, *head_shape)
 
 
-def _attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
-    """q [R, Q, Hq, D], k/v [R, K, Hkv, D], mask [R, Q, K] -> [R, Q, Hq, D]."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale, enable_gqa=True
-    )
-    return out.transpose(1, 2)
+def key_width(num_columns: int, dtype: torch.dtype, device_type: str = "cpu") -> int:
+    """Key columns the kernel gets: as many as there are in float32 (and on GPUs, unmeasured);
+    in bf16/fp16 on the CPU a whole number of the flash kernel's 512-key blocks (see :func:`attend`)."""
+    if dtype == torch.float32 or device_type != "cpu":
+        return num_columns
+    return -(-num_columns // _INVARIANT_KEY_BLOCK) * _INVARIANT_KEY_BLOCK
 
 
-def _attend_with_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
-    """As :func:`_attend`, with one learned logit per head added to the softmax denominator.
+def attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
+    """q [R, Q, Hq, D], k/v [R, K, Hkv, D], mask [R, Q, K] (True = attend) -> [R, Q, Hq, D], one fused kernel call.
 
-    The sink is one more key column, through the same fused kernel: its key and
-    value are zero, so its score is ``0 + bias = sinks[h]`` and it adds nothing
-    to the output, only ``exp(sinks[h])`` to the denominator::
+    Sinks (GPT-OSS: one learned logit per head in the softmax denominator) are
+    one more key column, first: its key and value are zero, so its score is
+    ``0 + bias = sinks[h]`` and it adds only ``exp(sinks[h])`` to the denominator.
 
-        key column   0 .......... K-1 | K
-        bias         0 / -inf (mask)  | sinks[h]
-        k, v         the gathered keys | 0
+    In bf16/fp16 the key axis is padded with masked columns to whole 512-key
+    blocks. The CPU kernel's rounding depends on the number of key columns when
+    that is not a whole number of its blocks (measured); with whole blocks, and
+    each key at the same column, a request's output is the same bit for bit
+    whatever its bucket's padding. bf16 matmuls are row-invariant too, so
+    disaggregated == aggregated holds exactly in bf16 (float32 matmuls are not,
+    and stay unpadded)::
+
+        key column   0 (sinks only) | 1 ............ K | K+1 ... width-1
+        bias         sinks[h]       | 0 / -inf (mask)  | -inf
+        k, v         0              | the keys         | 0
     """
     num_req, num_q, num_heads, _ = q.shape
-    num_k = k.shape[1]
-    zero = k.new_zeros(num_req, 1, *k.shape[2:])
-    k, v = torch.cat([k, zero], dim=1), torch.cat([v, zero], dim=1)
-    bias = torch.empty(num_req, num_heads, num_q, num_k + 1, dtype=q.dtype, device=q.device)
-    bias[..., :num_k] = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask[:, None], float("-inf"))
-    bias[..., num_k] = sinks.to(q.dtype)[:, None]
+    lead, num_k = int(sinks is not None), k.shape[1]
+    width = key_width(lead + num_k, q.dtype, q.device.type)
+    if width != num_k:
+        k, v = (_place_keys(t, lead, width) for t in (k, v))
+        padded = mask.new_zeros(num_req, num_q, width)
+        padded[..., lead : lead + num_k] = mask
+        mask = padded
+    attn_mask = mask[:, None]
+    if sinks is not None:
+        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+        attn_mask = attn_mask.expand(num_req, num_heads, num_q, width).contiguous()
+        attn_mask[..., 0] = sinks.to(q.dtype)[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale, enable_gqa=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2)
+
+
+def _place_keys(keys: torch.Tensor, lead: int, width: int) -> torch.Tensor:
+    placed = keys.new_zeros(keys.shape[0], width, *keys.shape[2:])
+    placed[:, lead : lead + keys.shape[1]] = keys
+    return placed

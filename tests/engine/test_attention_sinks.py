@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import _attend_with_sinks
+from engine.attention import attend
 
 
 def reference(q, k, v, mask, scale, sinks):
@@ -28,5 +28,5 @@ def test_sink_attention_matches_written_out_softmax(num_req, num_q, num_k):
     mask = (torch.arange(num_k)[None] <= positions[:, None])[None].repeat(num_req, 1, 1)
     mask[0, :, 0] = False  # a key out of the window
     sinks = torch.tensor([-1.0, 0.0, 2.0, 8.0])  # a large sink takes most of the mass
-    out = _attend_with_sinks(q, k, v, mask, 0.3, sinks)
+    out = attend(q, k, v, mask, 0.3, sinks)
     torch.testing.assert_close(out, reference(q, k, v, mask, 0.3, sinks), rtol=1e-5, atol=1e-6)
