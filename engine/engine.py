@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import torch
 
 from engine.config import EngineConfig, max_model_len
+from engine.draft_policy import DraftLengthPolicy
 from engine.drafter import make_drafter
 from engine.layout import kv_cache_spec
 from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogprob
@@ -61,7 +63,8 @@ class LLMEngine:
         self.drafter = drafter
         self.max_model_len = max_model_len(config, self.model.max_position_embeddings, draft_len=self.draft_len,
                                            num_extra_kv_tokens=self.num_extra_kv_tokens)
-        self.scheduler = Scheduler(self._scheduler_config(), self.manager, self._propose if drafter else None)
+        policy = DraftLengthPolicy(self.draft_len) if drafter else None
+        self.scheduler = Scheduler(self._scheduler_config(), self.manager, self._propose if drafter else None, policy)
         self.runner = ModelRunner(self.model.module, self.manager, self.model.device)
         self.sampler = Sampler()
         self._requests: dict[str, Request] = {}
@@ -180,10 +183,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestUpdate]:
         """Schedule, run the model, postprocess: one update per request that sampled."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        return self._postprocess(scheduled, self.runner.run(scheduled))
+        updates = self._postprocess(scheduled, self.runner.run(scheduled))
+        if self.scheduler.draft_policy is not None:  # whole steps: drafting and verifying cost Python time too
+            self.scheduler.draft_policy.record_step(scheduled, time.perf_counter() - start)
+        return updates
 
     def _postprocess(self, scheduled: list[ScheduledRequest], output: RunOutput) -> list[RequestUpdate]:
         sampled = self._sample_batch(scheduled, output)
