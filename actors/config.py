@@ -20,14 +20,15 @@ class WorkerConfig(EngineConfig):
     ``transfer_timeout_s``: how long a generation worker waits for a claim reply
     or a KV read. ``reserve_timeout_s``: how long a generation worker waits for
     free pages, extending the context side's lease meanwhile, before failing the
-    request. ``torch_threads``: torch's intra-op threads in the worker's process."""
+    request. ``torch_threads``: torch's intra-op threads in the worker's process
+    (None: the CPUs Ray assigned the worker, ``num_cpus`` in its actor options; 1 outside Ray)."""
 
     transport: str = "nixl"
     lease_s: float = 30.0
     claim_s: float = 60.0
     transfer_timeout_s: float = 30.0
     reserve_timeout_s: float = 20.0
-    torch_threads: int = 1
+    torch_threads: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -36,4 +37,5 @@ class WorkerConfig(EngineConfig):
         for name in ("lease_s", "claim_s", "transfer_timeout_s", "reserve_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be greater than 0, got {getattr(self, name)}")
-        check_at_least(self, ("torch_threads",), 1)
+        if self.torch_threads is not None:
+            check_at_least(self, ("torch_threads",), 1)

@@ -31,12 +31,31 @@ from engine import LLMEngine
 from engine.engine import summarize_cache
 
 
+def resolve_torch_threads(configured: int | None) -> int:
+    """``configured``, else the whole CPUs Ray assigned this actor (``num_cpus``), at least 1.
+
+    Outside Ray, or with ``num_cpus: 0`` (the actor reserved nothing), one thread: more
+    threads than reserved cores would contend with whatever else Ray puts on the node.
+    """
+    if configured is not None:
+        return configured
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return 1
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0)
+    except Exception:  # not in a Ray worker (a unit test, a script)
+        return 1
+    return max(1, int(cpus))
+
+
 class EngineWorker:
     role = "both"
 
     def __init__(self, config: WorkerConfig | None = None) -> None:
         self.config = config or WorkerConfig()
-        torch.set_num_threads(self.config.torch_threads)
+        torch.set_num_threads(resolve_torch_threads(self.config.torch_threads))
         self.engine = LLMEngine(self.config, role=self.role)
         self.loop = EngineLoop(self.engine)
 

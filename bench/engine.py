@@ -144,8 +144,13 @@ def throughput(model: str, path: str, prompts: list[list[int]], mode: dict, reps
 
 # -- 2. speculative decoding -------------------------------------------------------------------
 
-def speculative(model: str, path: str, mode: dict, reps: int, draft_len: int = 4) -> dict:
-    prompts = repetitive_prompts(mode["spec_prompts"])
+def speculative(model: str, path: str, mode: dict, reps: int, text: str, draft_len: int = 4) -> dict:
+    """``text``: "repetitive" (n-gram drafts should pay) or "random" (they must not cost: the
+    engine's adaptive draft length turns them off where acceptance is low)."""
+    if text == "repetitive":
+        prompts = repetitive_prompts(mode["spec_prompts"])
+    else:
+        prompts = mixed_prompts(mode["spec_prompts"], (48, 160), seed=3)
     llms = {d: make_llm(path, 1, max(map(len, prompts)), mode["spec_tokens"], max_draft_len=d) for d in (0, draft_len)}
     params = SamplingParams(max_tokens=mode["spec_tokens"], ignore_eos=True)
 
@@ -154,14 +159,15 @@ def speculative(model: str, path: str, mode: dict, reps: int, draft_len: int = 4
         outputs, wall, cpu = timed_cpu(llms[d].generate, prompt_token_ids=prompts, sampling_params=params)
         return outputs, wall, cpu, llms[d].engine.runner.num_forward_passes - before
 
-    progress(f"speculative {model}: {reps} x (no drafts, {draft_len} drafts) on {len(prompts)} repetitive prompts, "
+    progress(f"speculative {model}: {reps} x (no drafts, {draft_len} drafts) on {len(prompts)} {text} prompts, "
              "one at a time")
     runs = interleave(reps, {"plain": lambda: run(0), "draft": lambda: run(draft_len)})
     (plain_out, _, _, plain_passes), (draft_out, _, _, draft_passes) = runs["plain"][0], runs["draft"][0]
     num_tokens = sum(len(o.token_ids) for o in plain_out)
     proposed, accepted = sum(o.num_drafts_proposed for o in draft_out), sum(o.num_drafts_accepted for o in draft_out)
     row = {
-        "model": model, "max_draft_len": draft_len, "num_prompts": len(prompts), "output_tokens": num_tokens,
+        "model": model, "text": text, "max_draft_len": draft_len, "num_prompts": len(prompts),
+        "output_tokens": num_tokens,
         "identical_outputs": all(a.token_ids == b.token_ids for a, b in zip(plain_out, draft_out)),
         "passes_per_token_plain": plain_passes / num_tokens, "passes_per_token_draft": draft_passes / num_tokens,
         "passes_ratio": ratio(plain_passes, draft_passes),
@@ -242,13 +248,13 @@ def draw(plt, throughput_rows: list[dict], specs: list[dict], floors: list[dict]
     axes[0].set_xticks(concurrencies, [str(c) for c in concurrencies], minor=False)
     axes[0].minorticks_off()
     axes[0].legend(fontsize=8)
-    names = [s["model"] for s in specs]
+    names = [f"{s['model']}\n{s['text']}" for s in specs]
     if specs:  # none when only real models run
         axes[1].bar(names, [s["passes_per_token_plain"] for s in specs], label="no drafts")
         axes[1].bar(names, [s["passes_per_token_draft"] for s in specs], width=0.4,
                     label=f"{specs[0]['max_draft_len']} n-gram drafts")
         axes[1].legend(fontsize=8)
-    axes[1].set(ylabel="forward passes per output token", title="speculative decoding, repetitive prompts")
+    axes[1].set(ylabel="forward passes per output token", title="speculative decoding (adaptive draft length)")
     names = [f["model"] for f in floors]
     axes[2].bar(names, [f["step_ms"] for f in floors], label="decode step, batch 1 (median)")
     axes[2].bar(names, [f["floor_ms"] for f in floors], width=0.4, label="all weight bytes / copy bandwidth")
@@ -263,12 +269,12 @@ def print_tables(throughput_rows: list[dict], specs: list[dict], floors: list[di
                 [[r["model"], r["concurrency"], r["ours_tok_s"], r["hf_tok_s"], r["ratio"], r["ratio_cpu"],
                   r["outputs_equal"]] for r in throughput_rows])
     if specs:  # none when only real models run
-        print_table("speculative decoding (repetitive prompts, batch 1)",
-                    ["model", "drafts", "passes/tok plain", "passes/tok draft", "fewer passes", "acceptance",
+        print_table("speculative decoding (batch 1, adaptive draft length up to 'drafts')",
+                    ["model", "text", "drafts", "passes/tok plain", "passes/tok draft", "fewer passes", "acceptance",
                      "wall ratio", "CPU ratio", "identical"],
-                    [[s["model"], s["max_draft_len"], s["passes_per_token_plain"], s["passes_per_token_draft"],
-                      s["passes_ratio"], s["acceptance_rate"], s["wall_ratio"], s["cpu_ratio"], s["identical_outputs"]]
-                     for s in specs])
+                    [[s["model"], s["text"], s["max_draft_len"], s["passes_per_token_plain"],
+                      s["passes_per_token_draft"], s["passes_ratio"], s["acceptance_rate"], s["wall_ratio"],
+                      s["cpu_ratio"], s["identical_outputs"]] for s in specs])
     print_table("decode step at batch 1 vs weight bytes / copy bandwidth",
                 ["model", "step ms", "best ms", "GB/s", "floor ms", "ratio", "best ratio", "active floor ms",
                  "active ratio"],
@@ -287,7 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
             paths = available_models(models or mode["models"], tmp)
             rows = [row for model, path in paths.items()
                     for row in throughput(model, path, prompts_for(model, path, mode), mode, throughput_reps)]
-            spec = [speculative(model, path, mode, reps) for model, path in paths.items() if model not in REAL_MODELS]
+            spec = [speculative(model, path, mode, reps, text) for model, path in paths.items()
+                    if model not in REAL_MODELS for text in ("repetitive", "random")]
             floors = [decode_floor(model, path, mode, reps) for model, path in paths.items()]
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

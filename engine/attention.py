@@ -30,6 +30,8 @@ from engine.forward import ForwardBatch
 
 # Padding a bucket is allowed to waste: 2x the real score count plus this many scores.
 _BUCKET_SLACK = 1 << 16
+# Key columns of one block of the CPU flash-attention kernel (kvSplitSize in ATen).
+_INVARIANT_KEY_BLOCK = 512
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,8 @@ def build_group_attention(
     for q in query_lens[:-1]:
         offsets.append(offsets[-1] + q)
     table = _padded_table(batch.block_tables[group], (max(seq_lens) - 1) // block_size + 1)
-    positions = batch.expected_positions()
+    # On the CPU ForwardBatch checked that positions equal these; a device tensor would need a sync.
+    positions = batch.positions if batch.positions.device.type == "cpu" else batch.expected_positions()
     requests = torch.repeat_interleave(torch.arange(batch.num_requests), torch.tensor(query_lens))
     write_pages = table[requests, positions // block_size]
     _raise_unbound(write_pages, torch.ones_like(write_pages, dtype=torch.bool), group, "a KV write")
@@ -167,7 +170,6 @@ def paged_attention(
     for row, new in ((k_row, key), (k_row + 1, value)):
         token_rows.index_copy_(0, meta.write_rows + row * block_size, new.reshape(num_tokens, -1).to(kv_cache.dtype))
     page_rows = kv_cache.view(-1, block_size * token_rows.shape[1])
-    attend = _attend if sinks is None else _attend_with_sinks
     out = torch.empty_like(query)
     for b in meta.buckets:
         keys = _gather(page_rows, b, k_row, key.shape[1:]).to(query.dtype)
@@ -185,24 +187,53 @@ def _gather(page_rows: torch.Tensor, bucket: AttentionBucket, row: int, head_sha
     return flat.view(bucket.mask.shape[0], -1, *head_shape)
 
 
-def _attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
-    """q [R, Q, Hq, D], k/v [R, K, Hkv, D], mask [R, Q, K] -> [R, Q, Hq, D]."""
+def key_width(num_columns: int, dtype: torch.dtype, device_type: str = "cpu") -> int:
+    """Key columns the kernel gets: as many as there are in float32 (and on GPUs, unmeasured);
+    in bf16/fp16 on the CPU a whole number of the flash kernel's 512-key blocks (see :func:`attend`)."""
+    if dtype == torch.float32 or device_type != "cpu":
+        return num_columns
+    return -(-num_columns // _INVARIANT_KEY_BLOCK) * _INVARIANT_KEY_BLOCK
+
+
+def attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
+    """q [R, Q, Hq, D], k/v [R, K, Hkv, D], mask [R, Q, K] (True = attend) -> [R, Q, Hq, D], one fused kernel call.
+
+    Sinks (GPT-OSS: one learned logit per head in the softmax denominator) are
+    one more key column, first: its key and value are zero, so its score is
+    ``0 + bias = sinks[h]`` and it adds only ``exp(sinks[h])`` to the denominator.
+
+    In bf16/fp16 the key axis is padded with masked columns to whole 512-key
+    blocks. The CPU kernel's rounding depends on the number of key columns when
+    that is not a whole number of its blocks (measured); with whole blocks, and
+    each key at the same column, a request's output is the same bit for bit
+    whatever its bucket's padding. bf16 matmuls are row-invariant too, so
+    disaggregated == aggregated holds exactly in bf16 (float32 matmuls are not,
+    and stay unpadded)::
+
+        key column   0 (sinks only) | 1 ............ K | K+1 ... width-1
+        bias         sinks[h]       | 0 / -inf (mask)  | -inf
+        k, v         0              | the keys         | 0
+    """
+    num_req, num_q, num_heads, _ = q.shape
+    lead, num_k = int(sinks is not None), k.shape[1]
+    width = key_width(lead + num_k, q.dtype, q.device.type)
+    if width != num_k:
+        k, v = (_place_keys(t, lead, width) for t in (k, v))
+        padded = mask.new_zeros(num_req, num_q, width)
+        padded[..., lead : lead + num_k] = mask
+        mask = padded
+    attn_mask = mask[:, None]
+    if sinks is not None:
+        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+        attn_mask = attn_mask.expand(num_req, num_heads, num_q, width).contiguous()
+        attn_mask[..., 0] = sinks.to(q.dtype)[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2)
 
 
-def _attend_with_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
-    """As :func:`_attend`, with one learned logit per head added to the softmax denominator."""
-    num_req, num_q, num_heads, dim = q.shape
-    num_kv_heads, num_k = k.shape[2], k.shape[1]
-    rep = num_heads // num_kv_heads
-    q = q.view(num_req, num_q, num_kv_heads, rep, dim).permute(0, 2, 3, 1, 4).reshape(num_req, num_kv_heads, -1, dim)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float().mul_(scale)
-    scores = scores.view(num_req, num_kv_heads, rep, num_q, num_k).masked_fill_(~mask[:, None, None], float("-inf"))
-    sink = sinks.float().view(1, num_kv_heads, rep, 1, 1).expand(num_req, -1, -1, num_q, 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :num_k]
-    out = torch.matmul(probs.to(v.dtype).reshape(num_req, num_kv_heads, -1, num_k), v.transpose(1, 2))
-    out = out.view(num_req, num_kv_heads, rep, num_q, dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(num_req, num_q, num_heads, dim)
+def _place_keys(keys: torch.Tensor, lead: int, width: int) -> torch.Tensor:
+    placed = keys.new_zeros(keys.shape[0], width, *keys.shape[2:])
+    placed[:, lead : lead + keys.shape[1]] = keys
+    return placed

@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import torch
 
 from engine.config import EngineConfig, max_model_len
+from engine.draft_policy import DraftLengthPolicy
 from engine.drafter import make_drafter
 from engine.layout import kv_cache_spec
 from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogprob
 from engine.params import SamplingParams
 from engine.request import Request
-from engine.runner import ModelRunner
-from engine.sampler import Sampler
+from engine.runner import ModelRunner, RunOutput
+from engine.sampler import Sampler, SampleResult
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from engine.stopping import StopChecker
 from engine.tokenizer import IncrementalDecoder
@@ -61,7 +63,8 @@ class LLMEngine:
         self.drafter = drafter
         self.max_model_len = max_model_len(config, self.model.max_position_embeddings, draft_len=self.draft_len,
                                            num_extra_kv_tokens=self.num_extra_kv_tokens)
-        self.scheduler = Scheduler(self._scheduler_config(), self.manager, self._propose if drafter else None)
+        policy = DraftLengthPolicy(self.draft_len) if drafter else None
+        self.scheduler = Scheduler(self._scheduler_config(), self.manager, self._propose if drafter else None, policy)
         self.runner = ModelRunner(self.model.module, self.manager, self.model.device)
         self.sampler = Sampler()
         self._requests: dict[str, Request] = {}
@@ -180,40 +183,66 @@ class LLMEngine:
 
     def step(self) -> list[RequestUpdate]:
         """Schedule, run the model, postprocess: one update per request that sampled."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        logits = self.runner.run(scheduled)
-        return self._postprocess(scheduled, logits)
-
-    def _postprocess(self, scheduled: list[ScheduledRequest], logits: list[torch.Tensor | None]) -> list[RequestUpdate]:
-        updates = []
-        for item, rows in zip(scheduled, logits):
-            request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            if rows is None:  # a prefill chunk short of the prompt's end: nothing to sample yet
-                self._cache_computed(request)
-                self.manager.release_stale(request.request_id, request.num_computed_tokens)
-            else:
-                updates.append(self._advance(request, *self._sample(item, rows)))
+        updates = self._postprocess(scheduled, self.runner.run(scheduled))
+        if self.scheduler.draft_policy is not None:  # whole steps: drafting and verifying cost Python time too
+            self.scheduler.draft_policy.record_step(scheduled, time.perf_counter() - start)
         return updates
 
-    def _sample(self, item: ScheduledRequest, rows: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
-        """The tokens this step gives the request: one sampled, or the verified drafts plus one."""
-        request = item.request
+    def _postprocess(self, scheduled: list[ScheduledRequest], output: RunOutput) -> list[RequestUpdate]:
+        sampled = self._sample_batch(scheduled, output)
+        updates = []
+        for i, (item, span) in enumerate(zip(scheduled, output.spans)):
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            if span is None:  # a prefill chunk short of the prompt's end: nothing to sample yet
+                self._cache_computed(request)
+                self.manager.release_stale(request.request_id, request.num_computed_tokens)
+            elif item.draft_token_ids:
+                updates.append(self._advance(request, *self._verify(item, output.logits[span[0]:span[1]])))
+            else:
+                updates.append(self._advance(request, [sampled.token_ids[i]], [sampled.logprobs[i]]))
+        return updates
+
+    @staticmethod
+    def _seed(request: Request) -> None:
         if request.generator is not None:
             # Draws depend on (seed, output index) only: the same seeded request gives the
             # same tokens whichever worker samples which token, and after a preemption.
             request.generator.manual_seed(hash((request.seed, request.num_output_tokens)) & (2**63 - 1))
-        if item.draft_token_ids:
-            result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator)
-            request.num_drafts_proposed += len(item.draft_token_ids)
-            request.num_drafts_accepted += result.num_accepted
-            self.num_drafts_proposed += len(item.draft_token_ids)
-            self.num_drafts_accepted += result.num_accepted
-            request.num_computed_tokens += result.num_accepted
-            return result.token_ids, result.logprobs
-        result = self.sampler.sample(rows, [request.params], [request.generator])
+
+    def _sample_batch(self, scheduled: list[ScheduledRequest], output: RunOutput) -> SampleResult:
+        """One sampler call for every request that samples one token this step (no drafts).
+
+        Result row i belongs to ``scheduled[i]``; rows of the other requests are placeholders.
+        """
+        picked = [i for i, span in enumerate(output.spans) if span is not None and not scheduled[i].draft_token_ids]
+        token_ids: list[int] = [-1] * len(scheduled)
+        logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
+        if picked:
+            requests = [scheduled[i].request for i in picked]
+            for request in requests:
+                self._seed(request)
+            rows = torch.tensor([output.spans[i][0] for i in picked], device=output.logits.device)
+            result = self.sampler.sample(output.logits.index_select(0, rows), [r.params for r in requests],
+                                         [r.generator for r in requests])
+            for j, i in enumerate(picked):
+                token_ids[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
+        return SampleResult(token_ids, logprobs)
+
+    def _verify(self, item: ScheduledRequest, rows: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The verified drafts plus one token."""
+        request = item.request
+        self._seed(request)
+        result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator)
+        request.num_drafts_proposed += len(item.draft_token_ids)
+        request.num_drafts_accepted += result.num_accepted
+        self.num_drafts_proposed += len(item.draft_token_ids)
+        self.num_drafts_accepted += result.num_accepted
+        request.num_computed_tokens += result.num_accepted
         return result.token_ids, result.logprobs
 
     def _advance(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> RequestUpdate:

@@ -63,5 +63,17 @@ class ForwardBatch:
 
     def expected_positions(self) -> torch.Tensor:
         """The positions the layout above implies; ``positions`` must equal this."""
-        starts = [s - q for q, s in zip(self.query_lens, self.seq_lens)]
-        return torch.cat([torch.arange(a, s) for a, s in zip(starts, self.seq_lens)])
+        return positions_of(self.query_lens, self.seq_lens)
+
+
+def positions_of(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
+    """``cat([arange(s - q, s) for q, s in ...])`` in a few whole-batch ops (no op per request)::
+
+        query_lens [2, 1, 3], seq_lens [5, 9, 3] -> [3, 4 | 8 | 0, 1, 2]
+        = repeat(seq - query)  [3, 3 | 8 | 0, 0, 0]  +  rank within request [0, 1 | 0 | 0, 1, 2]
+    """
+    counts = torch.tensor(query_lens)
+    first_rows = torch.cumsum(counts, 0) - counts
+    starts = torch.tensor(seq_lens) - counts
+    ranks = torch.arange(int(first_rows[-1] + counts[-1])) - torch.repeat_interleave(first_rows, counts)
+    return torch.repeat_interleave(starts, counts) + ranks

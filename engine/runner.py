@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from engine.forward import ForwardBatch
+from engine.forward import ForwardBatch, positions_of
 from engine.scheduler import ScheduledRequest
 from kvcache import KVCacheManager
+
+
+class RunOutput(NamedTuple):
+    """``logits[spans[i][0]:spans[i][1]]`` are scheduled request i's rows (``[1 + num_drafts, V]``);
+    ``spans[i]`` is None for a prefill chunk short of the prompt's end (nothing to sample)."""
+
+    logits: torch.Tensor
+    spans: list[tuple[int, int] | None]
 
 
 class ModelRunner:
@@ -23,15 +33,12 @@ class ModelRunner:
         self.num_forward_passes = 0
 
     @torch.inference_mode()
-    def run(self, scheduled: list[ScheduledRequest]) -> list[torch.Tensor | None]:
-        """Logits ``[1 + num_drafts, V]`` for each request that samples this step, else None."""
-        batch, rows = self._build(scheduled)
+    def run(self, scheduled: list[ScheduledRequest]) -> RunOutput:
+        """One forward pass; the logits of every request that samples this step, in one tensor."""
+        batch, spans = self._build(scheduled)
         logits = self.model(batch).float()
         self.num_forward_passes += 1
-        out: list[torch.Tensor | None] = []
-        for span in rows:
-            out.append(None if span is None else logits[span[0]:span[1]])
-        return out
+        return RunOutput(logits, spans)
 
     def _build(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[tuple[int, int] | None]]:
         input_ids: list[int] = []
@@ -51,7 +58,7 @@ class ModelRunner:
                 rows.append((first, len(logits_indices)))
             else:
                 rows.append(None)
-        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+        positions = positions_of(query_lens, seq_lens)
         tables = {
             group.name: [self.manager.get_block_ordinals(item.request.request_id, group.name) for item in scheduled]
             for group in self.manager.spec.groups

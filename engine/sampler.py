@@ -152,6 +152,8 @@ class Sampler:
             raise ValueError(
                 f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators"
             )
+        if all(p.is_greedy and p.logprobs is None for p in params):  # the common case: no probabilities needed
+            return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(params))
         probs = sampling_probs(logits, params)
         greedy_ids = probs.argmax(dim=-1).tolist()
         token_ids = [

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.draft_policy import DraftLengthPolicy
 from engine.outputs import FinishReason
 from engine.request import Request, Status
 from kvcache import KVCacheManager
@@ -54,10 +55,12 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, manager: KVCacheManager, propose: Proposer | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, manager: KVCacheManager, propose: Proposer | None = None,
+                 draft_policy: DraftLengthPolicy | None = None) -> None:
         self.config = config
         self.manager = manager
         self.propose = propose
+        self.draft_policy = draft_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -140,7 +143,10 @@ class Scheduler:
     def _max_drafts(self, request: Request, budget: int) -> int:
         left_in_request = request.params.max_tokens - request.num_output_tokens - 1
         left_in_model = self.config.max_model_len - request.num_tokens - 1
-        return max(0, min(self.config.draft_len, budget, left_in_request, left_in_model))
+        wanted = self.config.draft_len
+        if self.draft_policy is not None:
+            wanted = min(wanted, self.draft_policy.draft_len(request.num_drafts_accepted, request.num_drafts_proposed))
+        return max(0, min(wanted, budget, left_in_request, left_in_model))
 
     # -- endings ---------------------------------------------------------
     def preempt(self, request: Request) -> None:

@@ -246,3 +246,12 @@ def test_rejection_sampling_keeps_the_target_distribution(params, drafts):
 def _max_abs_diff(counts: Counter, probs: torch.Tensor) -> float:
     total = counts.total()
     return max(abs(counts[token] / total - p) for token, p in enumerate(probs.tolist()))
+
+
+def test_greedy_fast_path_picks_what_the_probability_path_picks():
+    logits = torch.cat([_logits(6, 50, seed=7), torch.tensor([[1.0] * 50])])  # last row: all tied -> id 0
+    fast = Sampler().sample(logits, [GREEDY] * 7, [None] * 7)
+    with_logprobs = Sampler().sample(logits, [SamplingParams(logprobs=0)] * 7, [None] * 7)
+    assert fast.token_ids == with_logprobs.token_ids == logits.argmax(dim=-1).tolist()
+    assert fast.token_ids[-1] == 0
+    assert [lp.token_id for lp in with_logprobs.logprobs] == fast.token_ids
