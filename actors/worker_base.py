@@ -28,7 +28,7 @@ from actors.engine_loop import EngineLoop
 from actors.peers import PeerDirectory
 from actors.transport import make_transport, unique_agent_name
 from engine import LLMEngine
-from engine.engine import summarize_cache
+from engine.reports import summarize_cache
 
 
 def resolve_torch_threads(configured: int | None) -> int:

@@ -32,6 +32,7 @@ from engine.drafter import make_drafter
 from engine.layout import kv_cache_spec
 from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogprob
 from engine.params import SamplingParams
+from engine.reports import engine_stats, routing_stats
 from engine.request import Request
 from engine.runner import ModelRunner, RunOutput
 from engine.sampler import Sampler, SampleResult
@@ -39,7 +40,7 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from engine.stopping import StopChecker
 from engine.tokenizer import IncrementalDecoder
 from engine.worker_model import WorkerModel
-from kvcache import BlockSummary, KVCacheManager, extend_block_hashes, kv_fingerprint
+from kvcache import KVCacheManager, extend_block_hashes, kv_fingerprint
 
 
 class PromptTooLongError(ValueError):
@@ -328,54 +329,9 @@ class LLMEngine:
         self._stoppers.pop(request.request_id, None)
 
     def stats(self) -> dict:
-        return {
-            "num_waiting": len(self.scheduler.waiting),
-            "num_running": len(self.scheduler.running),
-            "num_free_pages": self.manager.num_free_pages(),
-            "num_total_pages": self.manager.num_total_pages(),
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_forward_passes": self.runner.num_forward_passes,
-            "num_drafts_proposed": self.num_drafts_proposed,
-            "num_drafts_accepted": self.num_drafts_accepted,
-            **self._prefix_cache_stats(),
-        }
-
-    def _prefix_cache_stats(self) -> dict:
-        """Tokens looked up in the prefix cache and found, cumulative: at admission
-        (a prompt's computed part), and on the generation side for transfers."""
-        scheduler = self.scheduler
-        return {
-            "prefix_cache_queries": scheduler.num_prefix_queried_tokens + self.num_transfer_queried_tokens,
-            "prefix_cache_hits": scheduler.num_prefix_hit_tokens + self.num_transfer_hit_tokens,
-            "num_cached_blocks": self.manager.num_cached_blocks(),
-        }
+        """Counters and gauges for metrics (engine.reports)."""
+        return engine_stats(self)
 
     def routing_stats(self) -> dict:
-        """What a KV-aware router (app.routing) weighs besides ``stats()``' page counts.
-
-        ``queued_prefill_tokens``: prompt tokens still to compute here, the waiting
-        requests' whole and the running ones' uncomputed prompt part. ``cached_block_names``:
-        per group, a copy of the names its pool caches and the pool's page count, for the
-        caller to summarize (``summarize_cache``) outside whatever lock guards the engine.
-        """
-        scheduler, manager = self.scheduler, self.manager
-        queued = sum(r.num_uncomputed_tokens for r in scheduler.waiting)
-        queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.running)
-        groups = manager.spec.groups
-        return {
-            "queued_prefill_tokens": queued,
-            "tokens_per_block": manager.spec.tokens_per_block,
-            "windows": {g.name: g.window for g in groups},
-            "kv_fingerprint": self.hash_extra,
-            "cached_block_names": {g.name: (list(manager.cached_block_hashes(g.name)), manager.num_total_pages(g.name))
-                                   for g in groups},
-        }
-
-
-def summarize_cache(routing_stats: dict) -> dict:
-    """``routing_stats`` with each group's cached names replaced by a Bloom filter
-    (kvcache.summary) sized by the pool's pages: about 1.2 bytes a page at 1% false
-    positives, so a report stays bounded however many blocks are cached."""
-    names = routing_stats["cached_block_names"]
-    summaries = {g: BlockSummary.of(hashes, capacity=num_pages).to_bytes() for g, (hashes, num_pages) in names.items()}
-    return {k: v for k, v in routing_stats.items() if k != "cached_block_names"} | {"cache_summaries": summaries}
+        """What a KV-aware router weighs besides ``stats()``' page counts (engine.reports)."""
+        return routing_stats(self)

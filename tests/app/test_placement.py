@@ -11,8 +11,8 @@ from app.config import AppConfig
 from app.placement import GenerationCaches, PromptHasher
 from app.routing import ReplicaView, RoutingHint
 from engine import LLMEngine, SamplingParams
-from engine.engine import summarize_cache
 from engine.model_registry import resolve_model_path
+from engine.reports import summarize_cache
 
 B = 8
 ARGS = {"tokens_per_block": B, "num_pages": 64, "device": "cpu", "max_num_batched_tokens": 64}
