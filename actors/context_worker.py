@@ -17,9 +17,9 @@ other lease still holds it; once nobody does, it is evictable, not lost.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
+from actors.background import BackgroundTask
 from actors.config import WorkerConfig
 from actors.leases import LeaseTable
 from actors.messages import Claim, Extend, KVHandle, Release
@@ -39,20 +39,15 @@ class ContextWorker(KVWorker):
         self.control.on(Claim, self._on_claim)
         self.control.on(Extend, self._on_extend)
         self.control.on(Release, self._on_release)
-        self._reaper: asyncio.Task | None = None
+        self._reaper = BackgroundTask(self._reap_forever)
 
     async def start(self) -> None:
         """Also reap lapsed leases."""
         await super().start()
-        if self._reaper is None:
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        self._reaper.start()
 
     async def shutdown(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-            self._reaper = None
+        await self._reaper.stop()
         await super().shutdown()
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:

@@ -15,12 +15,12 @@ channel: a message that cannot be read is logged, and answered with an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from actors.background import BackgroundTask
 from actors.messages import (
     BadMessage,
     ControlMessage,
@@ -51,7 +51,7 @@ class ControlChannel:
         self._handlers: dict[type, Callable[[str, ControlMessage], Awaitable[str]]] = {}
         self._pending: dict[tuple[str, int], asyncio.Future[Reply]] = {}  # (peer, msg_id) -> its reply
         self._ids = itertools.count()
-        self._task: asyncio.Task | None = None
+        self._receiver = BackgroundTask(self._run)
 
     def on(self, message_type: type[M], handler: Callable[[str, M], Awaitable[str]]) -> None:
         """``handler(peer_name, message)`` handles one type; its return value is the Ok reply's text."""
@@ -59,16 +59,11 @@ class ControlChannel:
 
     def start(self) -> None:
         """Start receiving (on the running event loop)."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._receiver.start()
 
     async def stop(self) -> None:
         """Stop receiving; asks still waiting fail now instead of timing out."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._receiver.stop()
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(ControlError(f"{self.transport.agent_name}: control channel stopped"))

@@ -23,11 +23,11 @@ the output.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from ray.serve.handle import DeploymentHandle
 
+from actors.background import BackgroundTask
 from app.routing import ReplicaView, RoutingHint
 from engine.config import EngineConfig
 from engine.layout import kv_cache_spec
@@ -59,19 +59,14 @@ class GenerationCaches:
     def __init__(self, board: DeploymentHandle) -> None:
         self.board = board
         self.views: list[ReplicaView] = []
-        self._task: asyncio.Task | None = None
+        self._refresher = BackgroundTask(self._refresh_forever)
 
     def start(self) -> None:
         """Refresh every REFRESH_PERIOD_S (on the running event loop); idempotent."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+        self._refresher.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._refresher.stop()
 
     def best_hit(self, hint: RoutingHint) -> int:
         """Tokens of the prompt the best-placed generation replica holds (0 before any report)."""
