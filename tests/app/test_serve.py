@@ -9,22 +9,20 @@ Two applications run side by side for the whole module:
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from app.serve_app import build_app
-from bench.common import start_ray
 from engine.model_registry import resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client, wait_until
+from tests.serving import serving
 
 MODEL = "windserve-tiny"
 API_KEY = "test-key"
@@ -37,27 +35,13 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 PROMPTS = ["Hi", "The capital of France is", "abcabcabcabcabcabcabcabcabcabcabcabc", "windows " * 9]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    # address="local": a new instance, never a cluster someone else started on this machine
-    start_ray(address="local", num_cpus=2)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run_many([
-        serve.RunTarget(build_app({**ENGINE, "mode": "disagg", "max_draft_len": MAX_DRAFT_LEN}),
-                        name="disagg", route_prefix="/disagg"),
-        serve.RunTarget(build_app({**ENGINE, "mode": "aggregated", "transport": "local", "api_key": API_KEY,
-                                   "max_queue": 1}), name="agg", route_prefix="/agg"),
-    ])
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    apps = {"disagg": build_app({**ENGINE, "mode": "disagg", "max_draft_len": MAX_DRAFT_LEN}),
+            "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local", "api_key": API_KEY,
+                              "max_queue": 1})}
+    with serving(apps) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

