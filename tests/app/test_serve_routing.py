@@ -155,7 +155,7 @@ def test_an_abort_lands_on_the_replicas_that_hold_the_request(kv_url):
 
     # Aborts reach their replicas a report period or more after the disconnect on a loaded machine.
     assert wait_until(lambda: num_aborted("ContextWorker") >= 1 and num_aborted("GenerationWorker") >= 1,
-                      timeout_s=30)
+                      timeout_s=30), (before, counts())
     after = settled(counts)
     aborted = {n for n in after if after[n][0] > before[n][0]}
     cancelled = {n for n in after if after[n][1] > before[n][1]}
