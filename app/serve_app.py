@@ -244,13 +244,19 @@ class ServeDisconnectMiddleware:
         await self.app(scope, receive_or_disconnect, send)
 
 
-def build_app(args: dict | None = None, worker_options: dict[str, dict] | None = None) -> serve.Application:
+def build_app(args: dict) -> serve.Application:
     """The application of one ``AppConfig`` (``args``: its fields; ValueError if invalid).
 
-    ``worker_options``: Serve options by worker deployment name (``{"ContextWorker":
-    {"num_replicas": 2}}``), for tests and benchmarks that serve in process; a Serve
-    config's ``deployments:`` list does the same for ``serve run``.
+    Serve calls it with the config's ``args`` and refuses a builder of more than one
+    parameter, so options of the worker deployments come from the config's
+    ``deployments:`` list there, and from ``build_app_with`` in process.
     """
+    return build_app_with(args)
+
+
+def build_app_with(args: dict | None = None, worker_options: dict[str, dict] | None = None) -> serve.Application:
+    """``build_app`` plus ``worker_options``: Serve options by worker deployment name
+    (``{"ContextWorker": {"num_replicas": 2}}``), for tests and benchmarks that serve in process."""
     config = AppConfig.model_validate(args or {})
     worker_config = config.to_worker_config()
     max_ongoing = max(8, 2 * config.max_num_seqs)

@@ -20,7 +20,7 @@ import openai
 import pytest
 from ray import serve
 
-from app.serve_app import build_app
+from app.serve_app import build_app_with
 from engine.model_registry import resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client, wait_until
@@ -39,8 +39,8 @@ ROUTING_DELAY_S = 3.0  # a replica's stats report (1 s) then Serve's routing-sta
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    apps = {"kv": build_app({**ENGINE, "mode": "disagg", "local_prefill_max_tokens": LOCAL_MAX}, TWO_EACH),
-            "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local"})}
+    apps = {"kv": build_app_with({**ENGINE, "mode": "disagg", "local_prefill_max_tokens": LOCAL_MAX}, TWO_EACH),
+            "agg": build_app_with({**ENGINE, "mode": "aggregated", "transport": "local"})}
     with serving(apps) as url:
         yield url
 
