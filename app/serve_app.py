@@ -64,7 +64,7 @@ ROUTING_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting
 # then replaced (~6 s here: process, imports, engine). The check is Serve's own ping, answered on the
 # replica's main loop (we define no check_health): an engine step (a thread, actors.engine_loop) or a
 # blocked user loop does not delay it, and a replica is killed only after 3 checks in a row go
-# unanswered for HEALTH_CHECK_TIMEOUT_S each (>= 30 s), against ~10 ms answers under load.
+# unanswered for HEALTH_CHECK_TIMEOUT_S each (>= 30 s); under long prefills it answers in 6 ms (max 0.18 s).
 HEALTH_CHECK_PERIOD_S = 1.0
 HEALTH_CHECK_TIMEOUT_S = 10.0
 WORKER_OPTIONS = dict(
