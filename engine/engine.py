@@ -297,7 +297,7 @@ class LLMEngine:
         return RequestUpdate(
             request_id=request.request_id,
             new_token_ids=request.output_token_ids[before:],
-            new_text=stopper.new_text(reason is not None or prefill is not None),
+            new_text=stopper.new_text(reason is not None),  # parked: held back as the aggregated first update is
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             finish_reason=reason,
