@@ -61,7 +61,7 @@ def is_free(context: ContextWorker) -> bool:
 
 
 @pytest.mark.parametrize("case", ["greedy", "seeded-logprobs", "max_tokens=1", "stop completed", "stop held back",
-                                  "half a character"])
+                                  "half a character", "half a character, max_tokens=1"])
 def test_first_update_is_the_aggregated_first_update(case, context, tiny_model):
     text = first_text(tiny_model)
     assert text == "4", "the stop cases need the first token's text"
@@ -72,17 +72,20 @@ def test_first_update_is_the_aggregated_first_update(case, context, tiny_model):
         "stop completed": SamplingParams(max_tokens=8, stop=[text], ignore_eos=True),
         "stop held back": SamplingParams(max_tokens=8, stop=[text + "\x01\x02"], ignore_eos=True),
         "half a character": SamplingParams(max_tokens=8, ignore_eos=True),
+        "half a character, max_tokens=1": SamplingParams(max_tokens=1, ignore_eos=True),  # finished: flushed
     }[case]
-    prompt = SPLIT if case == "half a character" else PROMPT
+    prompt = SPLIT if case.startswith("half a character") else PROMPT
     want = aggregated_first(tiny_model, prompt, params, case)  # an id once per worker: leases remember it
     got = prefill(context, case, prompt, params)
     assert got.first == want
     assert got.first.new_token_ids == want.new_token_ids and len(want.new_token_ids) == 1
     if case in ("stop held back", "half a character"):
         assert got.first.new_text == "" and not got.is_finished  # could still become a stop string, a character
-    if case in ("max_tokens=1", "stop completed"):
+    if case == "half a character, max_tokens=1":
+        assert got.first.new_text == "\ufffd"
+    if case in ("max_tokens=1", "stop completed", "half a character, max_tokens=1"):
         assert got.is_finished and got.kv is None and is_free(context)
-        assert got.first.finish_reason == ("length" if case == "max_tokens=1" else "stop")
+        assert got.first.finish_reason == ("stop" if case == "stop completed" else "length")
     else:
         assert got.kv.first_token_id == want.new_token_ids[0] and got.kv.request_id == case
         assert len(context.leases) == 1 and not is_free(context)
