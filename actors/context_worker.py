@@ -65,7 +65,7 @@ class ContextWorker(KVWorker):
         kv = self._lease(result)  # no await in between: a cancellation cannot strand parked pages
         if result.finish_reason is None:
             return Prefilled(first, kv)
-        await asyncio.shield(self._free(request_id, "finished at its first token"))  # the lease reaps it if not
+        await asyncio.shield(self._free(request_id, "finished at its first token"))  # freed even if we are cancelled
         return Prefilled(first, None)
 
     def _lease(self, result: PrefillResult) -> KVHandle:
