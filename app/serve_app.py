@@ -35,7 +35,7 @@ from actors.aggregated_worker import AggregatedWorker
 from actors.config import WorkerConfig
 from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
-from actors.messages import KVHandle
+from actors.messages import KVHandle, Prefilled
 from actors.worker_base import EngineWorker
 from app.api import build_api
 from app.config import AppConfig
@@ -175,7 +175,7 @@ class ContextDeployment(WorkerReplica):
         await super().__init__("context", ContextWorker(config), board)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      hint: RoutingHint | None = None) -> KVHandle:
+                      hint: RoutingHint | None = None) -> Prefilled:
         return await self.worker.prefill(request_id, prompt_token_ids, params)
 
 

@@ -42,7 +42,7 @@ def test_context_dies_between_prefill_and_transfer(ray_session):
 
     async def main():
         prompt = list(range(40))
-        handle = await doomed.prefill.remote("x", prompt, GREEDY)
+        handle = (await doomed.prefill.remote("x", prompt, GREEDY)).kv
         ray.kill(doomed)
         start = time.monotonic()
         with pytest.raises(Exception, match="did not answer|not found|TransferError|gone|Control"):
@@ -63,7 +63,7 @@ def test_generation_dies_before_transfer_and_the_lease_frees_context_pages(ray_s
                        RemoteGeneration.remote(worker_config()))
 
     async def main():
-        handle = await ctx.prefill.remote("z", list(range(50)), GREEDY)
+        handle = (await ctx.prefill.remote("z", list(range(50)), GREEDY)).kv
         ray.kill(gen)
         held = not await all_free(ctx)
         await asyncio.sleep(2.0)
@@ -78,7 +78,7 @@ def test_failed_transfer_is_clear_and_frees_both_sides(ray_session):
 
     async def main():
         prompt = list(range(40))
-        handle = await ctx.prefill.remote("bad", prompt, GREEDY)
+        handle = (await ctx.prefill.remote("bad", prompt, GREEDY)).kv
         broken = dict(handle.block_ordinals)
         broken["full"] = [10_000] * len(broken["full"])  # pages the context side does not have
         with pytest.raises(Exception, match="TransferError|outside|range|pages"):

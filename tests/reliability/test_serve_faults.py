@@ -2,7 +2,9 @@
 the replica; no page stays held (the context side's leases lapse).
 
     kill GenerationWorker mid-stream  -> error event + [DONE] on the stream, later requests succeed
-    kill ContextWorker during prefill -> each request completes or fails clearly; none hangs
+    kill ContextWorker during prefill -> every request completes: those without token 0 are
+                                         prefilled on the generation replica instead (the ingress's
+                                         fallback), those whose KV was in flight there too (its own)
     kill either worker                -> a new replica serves within REPLACED_WITHIN_S of the kill
     long prefills and decoding        -> every replica answers Serve's health check at once; none replaced
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 
 import httpx
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.serve_app import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S
 from tests.reliability.conftest import (
@@ -98,16 +102,21 @@ def test_generation_replica_killed_mid_stream(service: Service):
            recovery_s=round(recovery_s, 1), pages_free_after_s=round(free_s, 1))
 
 
-async def run_one(http: httpx.AsyncClient, body: dict) -> tuple[str, float]:
-    """("ok" | "error" | "hang" | "bad:<why>", seconds) of one request."""
+async def run_one(http: httpx.AsyncClient, body: dict, token_0_at: list[float] | None = None) -> tuple[str, float]:
+    """("ok" | "error" | "hang" | "bad:<why>", seconds) of one request; a streamed one appends to
+    ``token_0_at`` when its first token arrives."""
     start = time.monotonic()
     try:
         if body.get("stream"):
             async with http.stream("POST", "/v1/completions", json=body) as reply:
-                raw = (await reply.aread()).decode()
+                lines = []
+                async for line in reply.aiter_lines():
+                    if token_0_at is not None and not token_0_at and is_token(line):
+                        token_0_at.append(time.monotonic())
+                    lines.append(line)
             if reply.status_code != 200:
-                return classify_status(reply.status_code, raw), time.monotonic() - start
-            events = data_events(raw.split("\n"))
+                return classify_status(reply.status_code, "\n".join(lines)), time.monotonic() - start
+            events = data_events(lines)
             errors = [e for e in map(error_of, events) if e]
             outcome = "error" if errors and errors[0].get("type") == "server_error" else "ok"
             if events[-1:] != ["[DONE]"]:
@@ -120,6 +129,14 @@ async def run_one(http: httpx.AsyncClient, body: dict) -> tuple[str, float]:
     return outcome, time.monotonic() - start
 
 
+def is_token(line: str) -> bool:
+    payload = line[len("data: "):] if line.startswith("data: ") else "[DONE]"
+    if payload == "[DONE]" or error_of(payload):
+        return False
+    logprobs = json.loads(payload)["choices"][0]["logprobs"]  # asked for: a token whose text is held back
+    return bool(logprobs and logprobs["tokens"])                # (half a character) still has a chunk
+
+
 def classify_status(status: int, text: str) -> str:
     try:
         error = json.loads(text)["error"]
@@ -130,10 +147,20 @@ def classify_status(status: int, text: str) -> str:
     return f"bad:{status}"
 
 
-async def kill_context_during_prefill(service: Service, num_requests: int) -> tuple[list[tuple[str, float]], str, dict]:
-    bodies = [completion_body(LONG_PROMPT + str(i), max_tokens=16, stream=i % 2 == 0) for i in range(num_requests)]
+@dataclass
+class KillOutcome:
+    outcomes: list[tuple[str, float]]  # per request, as run_one
+    had_token_0: list[bool]  # per request, streamed ones: whether its first token had arrived at the kill
+    victim: str
+    seen: dict  # the context replica's stats when a prefill was seen in progress
+
+
+async def kill_context_during_prefill(service: Service, num_requests: int) -> KillOutcome:
+    bodies = [completion_body(LONG_PROMPT + str(i), max_tokens=16, stream=True, logprobs=1)
+              for i in range(num_requests)]
+    token_0_at: list[list[float]] = [[] for _ in bodies]
     async with service.async_client(timeout_s=MAX_TIME_TO_ERROR_S + 30) as http:
-        tasks = [asyncio.create_task(run_one(http, body)) for body in bodies]
+        tasks = [asyncio.create_task(run_one(http, body, at)) for body, at in zip(bodies, token_0_at)]
 
         def prefilling() -> dict | None:
             stats = worker_stats("ContextWorker")
@@ -147,26 +174,44 @@ async def kill_context_during_prefill(service: Service, num_requests: int) -> tu
             await asyncio.sleep(0.05)
         assert seen, "no prefill was ever seen in progress"
         victim = await asyncio.to_thread(kill_replica, "ContextWorker")
+        had_token_0 = [bool(at) for at in token_0_at]
         outcomes = await asyncio.gather(*tasks)
-    return outcomes, victim.name, seen
+    return KillOutcome(outcomes, had_token_0, victim.name, seen)
 
 
 def test_context_replica_killed_during_prefill(service: Service):
+    """Every request completes. Those still without token 0 at the kill fall back to a prefill on
+    the generation replica (the ingress); those whose token 0 went out and whose KV was in flight
+    when the context replica died are the generation worker's to prefill itself."""
     assert wait_serving(service)
-    outcomes, victim, seen = asyncio.run(kill_context_during_prefill(service, MAX_QUEUE - 4))
-    kinds = [kind for kind, _ in outcomes]
+    fallbacks_before = context_fallbacks(service)
+    killed = asyncio.run(kill_context_during_prefill(service, MAX_QUEUE - 4))
+    kinds = [kind for kind, _ in killed.outcomes]
+    without_token_0 = killed.had_token_0.count(False)
+    assert without_token_0 > 0, "the kill hit no request before its first token"
+    failed = {stage: sum(kind != "ok" and had == (stage == "after token 0")
+                         for kind, had in zip(kinds, killed.had_token_0))
+              for stage in ("before token 0", "after token 0")}
+    fallbacks = context_fallbacks(service) - fallbacks_before
+    max_s = max(seconds for _, seconds in killed.outcomes)
+    record("kill_context_during_prefill", requests=len(kinds), ok=kinds.count("ok"),
+           without_token_0_at_kill=without_token_0, failed=failed, context_fallbacks=fallbacks,
+           max_request_s=round(max_s, 2), in_prefill_at_kill=killed.seen["num_running"] + killed.seen["num_waiting"])
     assert not [k for k in kinds if k == "hang" or k.startswith("bad")], kinds
-    assert "error" in kinds, f"the kill hit no request: {kinds}"
-    max_s = max(seconds for _, seconds in outcomes)
+    assert kinds == ["ok"] * len(kinds), (failed, kinds)
+    assert fallbacks >= 1
     assert max_s < MAX_TIME_TO_ERROR_S + 30
 
-    recovery_s = recover(service, "ContextWorker", victim)
+    recovery_s = recover(service, "ContextWorker", killed.victim)
     free_s = wait_pages_free(service, timeout_s=LEASE_S + 15)
     assert free_s is not None, pages_in_use(service)
-    record("kill_context_during_prefill", requests=len(kinds), ok=kinds.count("ok"),
-           failed_clearly=kinds.count("error"),
-           lost=0, max_request_s=round(max_s, 2), in_prefill_at_kill=seen["num_running"] + seen["num_waiting"],
-           recovery_s=round(recovery_s, 1), pages_free_after_s=round(free_s, 1))
+    record("kill_context_recovery", recovery_s=round(recovery_s, 1), pages_free_after_s=round(free_s, 1))
+
+
+def context_fallbacks(service: Service) -> float:
+    text = httpx.get(f"{service.url}/metrics", timeout=10).text
+    return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "windserve_context_fallbacks_total"), 0.0)
 
 
 def test_other_requests_are_answered_after_the_faults(service: Service):
