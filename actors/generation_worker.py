@@ -239,8 +239,7 @@ class GenerationWorker(KVWorker):
         agent = handle.context_agent
         try:
             self.peers.ensure_connected(agent)  # on this loop, not in the read's thread: connections change here only
-            handoff.read = asyncio.ensure_future(
-                asyncio.to_thread(self.transport.read, agent, runs, self.config.transfer_timeout_s))
+            handoff.read = asyncio.ensure_future(asyncio.to_thread(self._read, agent, runs))
             stats = await asyncio.shield(handoff.read)  # a cancel leaves the read running; _undo waits for it
         except (PeerNotFoundError, PeerUnreachable) as e:
             raise ContextUnavailable(f"pull of {handle.request_id!r} from {agent}: {e}", is_answering=False) from e
@@ -248,6 +247,10 @@ class GenerationWorker(KVWorker):
             raise TransferFailed(f"request {handle.request_id!r}: moved {stats.num_bytes} bytes, "
                                  f"the slice has {num_bytes}")
         return stats
+
+    def _read(self, peer: str, runs: list[PageRun]) -> ReadStats:
+        """In a worker thread; the connection it uses was made on the event loop (``_pull``)."""
+        return self.transport.read(peer, runs, self.config.transfer_timeout_s)
 
     async def stats(self) -> dict:
         total = self.transport.total
