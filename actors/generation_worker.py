@@ -113,8 +113,8 @@ class GenerationWorker(KVWorker):
         rid, agent = handle.request_id, handle.context_agent
         log.warning("request %s: context side %s unavailable (%s); prefilling here", rid, agent, lost)
         self.num_transfer_fallbacks += 1
-        if not lost.is_answering and not any(h.context_agent == agent for h in self._handoffs.values()):
-            self.peers.forget(agent)  # nobody else is reading from it (forget releases what a read uses)
+        if not lost.is_answering and not self._is_reading_from(agent):
+            self.peers.forget(agent)
         queue = self.loop.watch(rid)
         try:
             await self.loop.call(self.engine.add_request, rid, prompt_token_ids, params,
@@ -198,12 +198,19 @@ class GenerationWorker(KVWorker):
         A dead peer delays this by at most ``claim_timeout_s``."""
         rid, agent = handle.request_id, handle.context_agent
         try:
-            self.peers.ensure_current(agent, await asyncio.to_thread(lookup, agent))
+            record = await asyncio.to_thread(lookup, agent)
+            if not self._is_reading_from(agent):
+                self.peers.ensure_current(agent, record)
             await self.control.ask(agent, Claim(rid), timeout_s=self.config.claim_timeout_s)
         except (PeerNotFoundError, PeerUnreachable, ControlTimeout) as e:
             raise ContextUnavailable(f"claim of {rid!r} on {agent}: {e}", is_answering=False) from e
         except ControlError as e:
             raise ContextUnavailable(f"claim of {rid!r} refused by {agent}: {e}", is_answering=True) from e
+
+    def _is_reading_from(self, agent: str) -> bool:
+        """A read from ``agent`` is in flight: its connection must not change (nor be dropped) under it."""
+        return any(h.context_agent == agent and h.read is not None and not h.read.done()
+                   for h in self._handoffs.values())
 
     def _release_context(self, handle: KVHandle) -> None:
         try:
