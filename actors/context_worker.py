@@ -1,7 +1,12 @@
 """Context (prefill) worker: prefills prompts and holds their pages under a lease.
 
-    prefill(request) ──► EngineLoop.prefill ──► PrefillResult: first token, pages parked
-                     ──► lease granted ──► KVHandle (ids, ordinals, lengths)
+    prefill(request) ──► EngineLoop.prefill ──► the parked update: first token, pages parked
+                     ├─ the first token ends the request (max_tokens=1, EOS, stop) ──► pages freed
+                     │      ──► Prefilled(first, kv=None): no generation worker needed
+                     └─ else ──► lease granted ──► Prefilled(first, KVHandle (ids, ordinals, lengths))
+
+``first`` is the update an aggregated engine emits for the first token; the
+ingress streams it to the client while the generation worker pulls the KV.
 
 A generation worker then, over control messages (``actors.control``):
 ``Claim`` (the lease must be live; it cannot expire under the transfer),
@@ -17,12 +22,13 @@ other lease still holds it; once nobody does, it is evictable, not lost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from actors.background import BackgroundTask
 from actors.config import WorkerConfig
 from actors.leases import LeaseTable
-from actors.messages import Claim, Extend, KVHandle, Release
+from actors.messages import Claim, Extend, KVHandle, Prefilled, Release
 from actors.worker_base import KVWorker
 from engine import SamplingParams
 from engine.outputs import PrefillResult
@@ -50,10 +56,17 @@ class ContextWorker(KVWorker):
         await self._reaper.stop()
         await super().shutdown()
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> KVHandle:
-        """Prefill, sample the first token, and hold the prompt's pages under a lease."""
-        result = await self.loop.prefill(request_id, prompt_token_ids, params)
-        return self._lease(result)  # no await in between: a cancellation cannot strand parked pages
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Prefilled:
+        """Prefill and sample the first token; hold the prompt's pages under a lease unless
+        the first token already ends the request (then they are freed at once)."""
+        parked = await self.loop.prefill(request_id, prompt_token_ids, params)
+        result = parked.prefill
+        first = dataclasses.replace(parked, finish_reason=result.finish_reason, prefill=None)
+        kv = self._lease(result)  # no await in between: a cancellation cannot strand parked pages
+        if result.finish_reason is None:
+            return Prefilled(first, kv)
+        await asyncio.shield(self._free(request_id, "finished at its first token"))  # freed even if we are cancelled
+        return Prefilled(first, None)
 
     def _lease(self, result: PrefillResult) -> KVHandle:
         deadline = self.leases.grant(result.request_id)

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from engine import LLMEngine, RequestUpdate, SamplingParams
-from engine.outputs import FinishReason, PrefillResult
+from engine.outputs import FinishReason
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +58,12 @@ class EngineLoop:
         async for update in self.stream(request_id, queue):
             yield update
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestUpdate:
         """Prefill a prompt to its first token; the request stays parked with its pages until ``abort``.
 
-        Raises RuntimeError (with the engine's error text) if it fails or is aborted first.
+        Returns the parked update: the first token's update, whose ``prefill`` is the
+        ``PrefillResult``. Raises RuntimeError (with the engine's error text) if it fails
+        or is aborted first.
         """
         queue = await self._add(self.engine.prefill, request_id, prompt_token_ids, params)
         last = None
@@ -70,7 +72,7 @@ class EngineLoop:
         if last is None or last.prefill is None:
             why = (last.error or last.finish_reason) if last is not None else "no output"
             raise RuntimeError(f"prefill of {request_id!r} failed: {why}")
-        return last.prefill
+        return last
 
     async def _add(self, add: Callable, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams) -> asyncio.Queue[RequestUpdate]:

@@ -1,7 +1,7 @@
 """Small typed messages between workers, and the one codec of the control messages.
 
-No KV data crosses the control plane. ``KVHandle`` travels over Ray (Serve
-handles pickle it); the control messages travel between transport agents
+No KV data crosses the control plane. ``Prefilled`` (the first token's update
+and a ``KVHandle``) travels over Ray (Serve handles pickle it); the control messages travel between transport agents
 (``actors.control``) as JSON, one object per message::
 
     {"mode": "ask",   "id": 7,    "type": "Claim", "body": {"request_id": "r|1"}}
@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from engine.outputs import TokenLogprob
+from engine.outputs import RequestUpdate, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,32 @@ class KVHandle:
             raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
         if not 0 <= self.num_cached_tokens < self.prompt_len:
             raise ValueError(f"num_cached_tokens must be in [0, {self.prompt_len}), got {self.num_cached_tokens}")
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What a context worker's prefill returns: the first token, to stream at once, and its KV.
+
+    ``first`` is exactly the update an aggregated engine emits for the first
+    token (its text held back as far as a stop string could still match, its
+    ``finish_reason`` set when the first token ends the request). ``kv`` is
+    where the prompt's pages are held under a lease, or None when the first
+    token ended the request: then nothing is held and no generation worker is
+    needed.
+    """
+
+    first: RequestUpdate
+    kv: KVHandle | None
+
+    def __post_init__(self) -> None:
+        if self.first.prefill is not None or self.first.num_output_tokens != 1:
+            raise ValueError(f"first must be the update of one sampled token, got {self.first!r}")
+        if self.first.is_finished != (self.kv is None):
+            raise ValueError("kv must be None exactly when the first token finishes the request")
+
+    @property
+    def is_finished(self) -> bool:
+        return self.kv is None
 
 
 # -- control messages -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ aborts it in the backend on the way out, whatever way out that is.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -134,7 +135,11 @@ class GenerationRun:
                 await aclose()
 
     def _start_abort(self) -> None:
-        task = asyncio.ensure_future(_abort(self.ctx.backend, self.request_id))
+        """Run the abort in a fresh context: under Ray Serve, a call made in a request's context is
+        that request's child, and Serve cancels the children of a cancelled request (a client that
+        disconnected), so an abort started in it could be cancelled before it was sent."""
+        coro = _abort(self.ctx.backend, self.request_id)
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
         self.ctx.pending_aborts.add(task)
         task.add_done_callback(self.ctx.pending_aborts.discard)
 

@@ -18,7 +18,9 @@ Two sources feed ``GET /metrics``:
                     "num_drafts_proposed": 900,        # cumulative
                     "num_drafts_accepted": 610,        # cumulative
                     "prefix_cache_queries": 40960,     # cumulative, prompt tokens looked up
-                    "prefix_cache_hits": 30720}]}      # cumulative, of those, tokens found
+                    "prefix_cache_hits": 30720}],      # cumulative, of those, tokens found
+       "context_fallbacks": 2}                 # the ingress's own, cumulative: prompts prefilled on a
+                                               # generation replica as no context replica answered
 
 Prefix-cache queries and hits count tokens, as vLLM's ``prefix_cache_queries``
 and ``prefix_cache_hits`` do, so ``rate(hits) / rate(queries)`` is the hit
@@ -53,25 +55,40 @@ WORKER_SERIES = {
     "prefix_cache_hits": (f"{PREFIX}_prefix_cache_hits", "Prompt tokens found in the prefix cache", "counter"),
 }
 WORKER_LABELS = ("worker", "role")
+# top-level stats key -> (metric name, help): the ingress's own counters ("_total" appended on exposition).
+INGRESS_COUNTERS = {
+    "context_fallbacks": (f"{PREFIX}_context_fallbacks",
+                          "Prompts prefilled on a generation replica because no context replica answered"),
+}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 class WorkerStatsCollector(Collector):
-    """Exposes the latest ``backend.stats()`` snapshot as per-worker series."""
+    """Exposes the latest ``backend.stats()`` snapshot: per-worker series, and the ingress's counters."""
 
     def __init__(self) -> None:
         self._workers: list[dict] = []
+        self._ingress: dict[str, Real] = {}
 
     def update(self, stats: dict | None) -> None:
-        workers = (stats or {}).get("workers", [])
+        stats = stats or {}
+        workers = stats.get("workers", [])
         self._workers = [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else []
+        self._ingress = {key: stats[key] for key in INGRESS_COUNTERS if _is_number(stats.get(key))}
 
     def collect(self) -> Iterator[Metric]:
+        for key, value in self._ingress.items():
+            name, documentation = INGRESS_COUNTERS[key]
+            yield CounterMetricFamily(name, documentation, value=value)
         for key, (name, documentation, kind) in WORKER_SERIES.items():
             family_cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             family = family_cls(name, documentation, labels=WORKER_LABELS)
             for worker in self._workers:
                 value = worker.get(key)
-                if isinstance(value, Real) and not isinstance(value, bool):
+                if _is_number(value):
                     family.add_metric([str(worker.get("name", "")), str(worker.get("role", ""))], value)
             yield family
 

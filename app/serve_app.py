@@ -35,7 +35,7 @@ from actors.aggregated_worker import AggregatedWorker
 from actors.config import WorkerConfig
 from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
-from actors.messages import KVHandle
+from actors.messages import KVHandle, Prefilled
 from actors.worker_base import EngineWorker
 from app.api import build_api
 from app.config import AppConfig
@@ -60,8 +60,17 @@ METRICS_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting
                 "prefix_cache_queries", "prefix_cache_hits", "num_abort_calls")
 ROUTING_KEYS = ("num_free_pages", "num_total_pages", "num_running", "num_waiting", "queued_prefill_tokens",
                 "tokens_per_block", "windows", "kv_fingerprint", "cache_summaries")
+# A killed replica is noticed at the controller's next health check of it (Serve's default period: 10 s),
+# then replaced (~6 s here: process, imports, engine). The check is Serve's own ping, answered on the
+# replica's main loop (we define no check_health): an engine step (a thread, actors.engine_loop) or a
+# blocked user loop does not delay it, and a replica is killed only after 3 checks in a row go
+# unanswered for HEALTH_CHECK_TIMEOUT_S each (>= 30 s); under long prefills it answers in 6 ms (max 0.18 s).
+HEALTH_CHECK_PERIOD_S = 1.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
 WORKER_OPTIONS = dict(
     ray_actor_options={"num_cpus": 0},  # workers set their own torch threads
+    health_check_period_s=HEALTH_CHECK_PERIOD_S,  # a Serve config's deployments: entry overrides both
+    health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
     request_router_config={"request_router_class": ROUTER_PATH, "request_routing_stats_period_s": REPORT_PERIOD_S},
 )
 
@@ -166,7 +175,7 @@ class ContextDeployment(WorkerReplica):
         await super().__init__("context", ContextWorker(config), board)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      hint: RoutingHint | None = None) -> KVHandle:
+                      hint: RoutingHint | None = None) -> Prefilled:
         return await self.worker.prefill(request_id, prompt_token_ids, params)
 
 
@@ -244,13 +253,19 @@ class ServeDisconnectMiddleware:
         await self.app(scope, receive_or_disconnect, send)
 
 
-def build_app(args: dict | None = None, worker_options: dict[str, dict] | None = None) -> serve.Application:
+def build_app(args: dict) -> serve.Application:
     """The application of one ``AppConfig`` (``args``: its fields; ValueError if invalid).
 
-    ``worker_options``: Serve options by worker deployment name (``{"ContextWorker":
-    {"num_replicas": 2}}``), for tests and benchmarks that serve in process; a Serve
-    config's ``deployments:`` list does the same for ``serve run``.
+    Serve calls it with the config's ``args`` and refuses a builder of more than one
+    parameter, so options of the worker deployments come from the config's
+    ``deployments:`` list there, and from ``build_app_with`` in process.
     """
+    return build_app_with(args)
+
+
+def build_app_with(args: dict | None = None, worker_options: dict[str, dict] | None = None) -> serve.Application:
+    """``build_app`` plus ``worker_options``: Serve options by worker deployment name
+    (``{"ContextWorker": {"num_replicas": 2}}``), for tests and benchmarks that serve in process."""
     config = AppConfig.model_validate(args or {})
     worker_config = config.to_worker_config()
     max_ongoing = max(8, 2 * config.max_num_seqs)

@@ -1,11 +1,26 @@
 """app.backend's Backend over Serve deployment handles.
 
     hint = hasher.hint(request_id, prompt)                      (app.placement: the prompt hashed once)
-    disagg:      kv = await context.prefill(request_id, prompt, params, hint=hint)
-                 stream generation.generate(kv, prompt, params, hint=hint)
-      short uncached part (P - best generation-side hit <= local_prefill_max_tokens):
-                 stream generation.generate_local(request_id, prompt, params, hint=hint)
     aggregated:  stream aggregated.generate(request_id, prompt, params, hint=hint)
+    disagg, short uncached part (P - best generation-side hit <= local_prefill_max_tokens):
+                 stream generation.generate_local(request_id, prompt, params, hint=hint)
+    disagg:
+
+      ingress                         context replica              generation replica
+        │ prefill(request_id, ...) ──────►│ prefill, sample token 0
+        │◄── Prefilled(first, kv) ────────┤ pages under a lease (kv=None: token 0 ended it, pages freed)
+        │ kv=None: yield first, done      │
+        │ generate(kv, ...) ─────────────────────────────────────────►│ reserve, claim, pull, release
+        │ yield first  (token 0 out while the KV moves)               │ add_prefilled: token 0 again
+        │◄── update 0: token 0 again: only its finish/error pass ─────┤
+        │◄── updates 1.. as they are ─────────────────────────────────┤ decode
+
+      the context replica unavailable before token 0 (it died, its actor is gone, Serve has
+      none): generation.generate_local instead, counted in ``num_context_fallbacks``.
+
+The generation call is opened before ``first`` is yielded: an async generator
+runs only while its consumer pulls, and the consumer may spend a while sending
+``first`` to the client; the KV moves meanwhile.
 
 Every call carries the hint for the KV-aware router (app.routing), which
 places it by cache hit and load, and remembers where each request id went.
@@ -21,16 +36,67 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from actors.messages import Prefilled
 from app.placement import GenerationCaches, PromptHasher
 from app.routing import RoutingHint
 from engine.outputs import RequestUpdate
 from engine.params import SamplingParams
 
+log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
+# A replica that died or cannot be reached (RayActorError covers ActorDiedError and
+# ActorUnavailableError), or a deployment with no replica to take the call.
+UNAVAILABLE_ERRORS = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether a call failed because its replica is gone, not because of what it was asked.
+
+    A RayTaskError is the callee's own exception (bad input, a bug), even when its class
+    also derives from the cause's (Ray subclasses both): never an unavailable replica.
+    """
+    return isinstance(exc, UNAVAILABLE_ERRORS) and not isinstance(exc, RayTaskError)
+
+
+def without_first_token(first: RequestUpdate, update: RequestUpdate) -> RequestUpdate:
+    """The generation stream's first update less the token 0 the context side already sent.
+
+    ``add_prefilled`` advances the generation engine with token 0, so its first
+    update repeats it: same id, logprob, and text (held back alike). Only what
+    follows passes on: its finish or error, and text a finish flushed past ``first``'s.
+    """
+    if update.new_token_ids[:1] != first.new_token_ids:
+        return update
+    text = update.new_text[len(first.new_text):] if update.new_text.startswith(first.new_text) else ""
+    logprobs = update.logprobs[1:] if update.logprobs is not None else None
+    return dataclasses.replace(update, new_token_ids=update.new_token_ids[1:], new_text=text, logprobs=logprobs)
+
+
+async def relay(stream: DeploymentResponseGenerator, first: RequestUpdate | None = None
+                ) -> AsyncIterator[RequestUpdate]:
+    """Yield ``first`` (if any), then the stream's updates, the first of them spliced onto ``first``;
+    the stream's call is cancelled if the consumer leaves before its finish."""
+    is_finished = False
+    try:
+        if first is not None:
+            yield first
+        async for update in stream:
+            if first is not None:
+                update, first = without_first_token(first, update), None
+                if not (update.new_token_ids or update.new_text or update.is_finished):
+                    continue  # nothing but token 0 again
+            is_finished = update.is_finished
+            yield update
+    finally:
+        if not is_finished:
+            stream.cancel()
 
 
 class ServeBackend:
@@ -59,6 +125,7 @@ class ServeBackend:
         self.hasher = hasher
         self.local_prefill_max_tokens = local_prefill_max_tokens if is_disagg else 0
         self.generation_caches = GenerationCaches(board)
+        self.num_context_fallbacks = 0  # prompts prefilled on a generation replica: no context replica answered
 
     def hint(self, request_id: str, prompt_token_ids: list[int]) -> RoutingHint:
         if self.hasher is None:
@@ -76,34 +143,54 @@ class ServeBackend:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestUpdate]:
-        stream = await self._open(request_id, prompt_token_ids, params)
-        is_finished = False
-        try:
-            async for update in stream:
-                is_finished = update.is_finished
-                yield update
-        finally:
-            if not is_finished:
-                stream.cancel()
-
-    async def _open(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> DeploymentResponseGenerator:
         hint = self.hint(request_id, prompt_token_ids)
         if self.aggregated is not None:
-            return self.aggregated.options(stream=True).generate.remote(request_id, prompt_token_ids, params,
-                                                                        hint=hint)
-        generation = self.generation.options(stream=True)
-        if self.is_local_prefill(hint):
-            return generation.generate_local.remote(request_id, prompt_token_ids, params, hint=hint)
-        prefill = self.context.prefill.remote(request_id, prompt_token_ids, params, hint=hint)
+            updates = relay(self.aggregated.options(stream=True).generate.remote(request_id, prompt_token_ids,
+                                                                                 params, hint=hint))
+        elif self.is_local_prefill(hint):
+            updates = relay(self._generate_local(request_id, prompt_token_ids, params, hint))
+        else:
+            updates = self._disagg(request_id, prompt_token_ids, params, hint)
+        async for update in updates:
+            yield update
+
+    def _generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                        hint: RoutingHint) -> DeploymentResponseGenerator:
+        return self.generation.options(stream=True).generate_local.remote(request_id, prompt_token_ids, params,
+                                                                          hint=hint)
+
+    async def _disagg(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      hint: RoutingHint) -> AsyncIterator[RequestUpdate]:
+        """Token 0 from the context side as soon as it is sampled, the rest from a generation replica."""
+        prefilled = await self._prefill(request_id, prompt_token_ids, params, hint)
+        if prefilled is None:
+            updates = relay(self._generate_local(request_id, prompt_token_ids, params, hint))
+        elif prefilled.is_finished:
+            yield prefilled.first  # no generation call at all
+            return
+        else:
+            stream = self.generation.options(stream=True).generate.remote(
+                prefilled.kv, prompt_token_ids, params, hint=dataclasses.replace(hint, is_transfer=True))
+            updates = relay(stream, prefilled.first)
+        async for update in updates:
+            yield update
+
+    async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       hint: RoutingHint) -> Prefilled | None:
+        """The context side's prefill; None when no context replica could do it (then prefill locally)."""
+        call = self.context.prefill.remote(request_id, prompt_token_ids, params, hint=hint)
         try:
-            kv_handle = await prefill
+            return await call
         except asyncio.CancelledError:
-            prefill.cancel()
+            call.cancel()
             raise
-        return generation.generate.remote(kv_handle, prompt_token_ids, params,
-                                          hint=dataclasses.replace(hint, is_transfer=True))
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            self.num_context_fallbacks += 1
+            log.warning("context prefill of %s failed (%s: %s); prefilling it on a generation replica",
+                        request_id, type(exc).__name__, exc)
+            return None
 
     async def abort(self, request_id: str) -> None:
         hint = RoutingHint(request_id)
@@ -114,4 +201,5 @@ class ServeBackend:
         await asyncio.wait_for(asyncio.gather(*pings), HEALTH_TIMEOUT_S)
 
     async def stats(self) -> dict:
-        return {"workers": await self.board.snapshot.remote()}
+        return {"workers": await self.board.snapshot.remote(), "context_fallbacks": self.num_context_fallbacks}
+

@@ -3,14 +3,18 @@
 #
 #   bash bench/gpu_check.sh            # from anywhere; logs in ${OUT:-bench/out}/gpu_check/
 #   GPU_CHECK_VENV=/path/to/venv       # default ~/.cache/windserve/venv-gpu; PIP_* variables reach pip
+#   GPU_CHECK_DEVICE=cpu PY=.venv/bin/python bash bench/gpu_check.sh
+#                                      # dry run on a CPU machine (CI runs it: tests/bench/test_gpu_check.py):
+#                                      # no install (PY's packages), the greedy and disagg checks on cpu,
+#                                      # parity and benchmarks skipped (the test suite runs them on cpu)
 #
 # Steps, each under its own timeout, each failing loudly (banner + log tail; exit 1 at the end):
 #   versions      nvidia-smi, python, torch + CUDA, ray, nixl, transformers
 #   install       a venv (--system-site-packages when the system torch has CUDA: its torch is kept),
 #                 pip install -e .[test] (no cpu extra); offline, the already-installed packages are used
 #   parity        tests/engine/test_model_parity.py + test_engine_vs_transformers.py (wired to the CPU)
-#   greedy_cuda   our engine on cuda (drafts 0 and 3) vs transformers generate on cuda: same greedy tokens
-#   disagg_cuda   ContextWorker + GenerationWorker as Ray actors, EngineConfig(device="cuda"), NIXL with
+#   greedy        our engine on cuda (drafts 0 and 3) vs transformers generate on cuda: same greedy tokens
+#   disagg        ContextWorker + GenerationWorker as Ray actors, EngineConfig(device="cuda"), NIXL with
 #                 VRAM registration; tokens == an AggregatedWorker on cuda; KV bytes moved > 0
 #   bench_*       python -m bench.transfer --quick, python -m bench.engine --quick (when present)
 # A short table comes last. Budget: under 5 minutes on an idle machine.
@@ -23,8 +27,10 @@ WORK="$(mktemp -d)"
 mkdir -p "$LOG_DIR"
 T0=$(date +%s)
 NAMES=(); STATUS=(); SECONDS_TAKEN=(); FAILED=0
-PY=""
+PY="${PY:-}"  # the dry run takes PY from the environment
 VENV="${GPU_CHECK_VENV:-$HOME/.cache/windserve/venv-gpu}"  # outside the repo: the repo copy stays clean
+DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+case "$DEVICE" in cuda|cpu) ;; *) echo "GPU_CHECK_DEVICE must be cuda or cpu, got '$DEVICE'" >&2; exit 2 ;; esac
 
 print_table() {
   echo
@@ -65,9 +71,13 @@ step() {
   return 0
 }
 
+skipped() {  # skipped NAME WHY
+  echo "== [$1] skipped: $2"; NAMES+=("$1"); STATUS+=("skipped"); SECONDS_TAKEN+=(0)
+}
+
 versions() {
   "$PY" - <<'EOF'
-import importlib, platform, sys
+import importlib, os, platform, sys
 print("python", platform.python_version(), sys.executable)
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
@@ -78,7 +88,7 @@ for name in ("ray", "nixl", "transformers", "tokenizers", "fastapi", "pydantic",
         print(name, getattr(module, "__version__", "(no __version__)"))
     except Exception as exc:
         print(name, "MISSING:", type(exc).__name__, exc)
-if not torch.cuda.is_available():
+if os.environ["DEVICE"] == "cuda" and not torch.cuda.is_available():
     sys.exit("torch.cuda.is_available() is False: this check needs a CUDA GPU")
 EOF
 }
@@ -115,8 +125,9 @@ install() {
 }
 
 write_greedy_check() {
-  cat > "$WORK/greedy_cuda.py" <<'EOF'
-"""Our engine on cuda against transformers' generate on cuda, greedy, same windserve-tiny weights."""
+  cat > "$WORK/greedy.py" <<'EOF'
+"""Our engine against transformers' generate on DEVICE (cuda; cpu in a dry run), greedy, same weights."""
+import os
 import sys
 
 import torch
@@ -127,18 +138,19 @@ from engine.tiny import ensure_tiny_model
 
 torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on both sides
 torch.backends.cudnn.allow_tf32 = False
+DEVICE = os.environ["DEVICE"]
 path = ensure_tiny_model()
 generator = torch.Generator().manual_seed(7)
 prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (7, 33, 50, 71, 130)]
 NUM_TOKENS = 32
 
-llms = {d: LLM(path, device="cuda", tokens_per_block=8, max_draft_len=d) for d in (0, 3)}
-assert torch.cuda.memory_allocated() > 0, "the engine put nothing on the GPU"
-hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager").to("cuda").eval()
+llms = {d: LLM(path, device=DEVICE, tokens_per_block=8, max_draft_len=d, dtype="float32") for d in (0, 3)}
+assert DEVICE == "cpu" or torch.cuda.memory_allocated() > 0, "the engine put nothing on the GPU"
+hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager").to(DEVICE).eval()
 expected = []
 with torch.inference_mode():
     for prompt in prompts:
-        ids = torch.tensor([prompt], device="cuda")
+        ids = torch.tensor([prompt], device=DEVICE)
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS,
                           min_new_tokens=NUM_TOKENS, do_sample=False, pad_token_id=0)
         expected.append(out[0, len(prompt):].tolist())
@@ -150,14 +162,15 @@ for draft, llm in llms.items():
         first = next((i for i, (a, b) in enumerate(zip(output.token_ids, want)) if a != b), None)
         print(f"drafts={draft} prompt_len={len(prompt):4d} identical={same}" + ("" if same else f" first diff at {first}"))
         bad += not same
-sys.exit(f"{bad} outputs differ from transformers on cuda" if bad else 0)
+sys.exit(f"{bad} outputs differ from transformers on {DEVICE}" if bad else 0)
 EOF
 }
 
 write_disagg_check() {
-  cat > "$WORK/disagg_cuda.py" <<'EOF'
-"""Disaggregated on cuda (NIXL registers VRAM) == aggregated on cuda, token for token."""
+  cat > "$WORK/disagg.py" <<'EOF'
+"""Disaggregated on DEVICE (cuda: NIXL registers VRAM) == aggregated on DEVICE, token for token."""
 import asyncio
+import os
 import sys
 import time
 
@@ -168,12 +181,12 @@ from actors.aggregated_worker import AggregatedWorker
 from actors.config import WorkerConfig
 from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
-from engine import EngineConfig, SamplingParams
+from engine import SamplingParams
 from tests.actors.disagg_helpers import disagg_request, random_prompts
 
 
 def config(transport: str, **engine) -> WorkerConfig:
-    return WorkerConfig(engine=EngineConfig(device="cuda", tokens_per_block=8, **engine), transport=transport)
+    return WorkerConfig(device=os.environ["DEVICE"], dtype="float32", tokens_per_block=8, transport=transport, **engine)
 
 
 async def aggregated(worker, request_id, prompt, params):
@@ -191,6 +204,7 @@ async def main() -> int:
     ctx = remote(ContextWorker).remote(config("nixl"))
     gen = remote(GenerationWorker).remote(config("nixl", max_draft_len=2))
     agg = remote(AggregatedWorker).remote(config("local"))
+    await asyncio.gather(*(w.start.remote() for w in (ctx, gen, agg)))  # whoever creates a worker starts it
     prompts = random_prompts(12, seed=3) + [list(range(200))]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     start = time.perf_counter()
@@ -215,7 +229,7 @@ async def main() -> int:
     return 0
 
 
-assert torch.cuda.is_available()
+assert os.environ["DEVICE"] == "cpu" or torch.cuda.is_available()
 ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
 try:
     sys.exit(asyncio.run(asyncio.wait_for(main(), timeout=150)))
@@ -226,37 +240,50 @@ EOF
 
 bench_module() {  # bench_module NAME: python -m bench.NAME --quick, with --device cuda when it takes one
   local name=$1 extra=()
-  if "$PY" -m "bench.$name" --help 2>/dev/null | grep -q -- '--device'; then extra=(--device cuda); fi
+  if "$PY" -m "bench.$name" --help 2>/dev/null | grep -q -- '--device'; then extra=(--device "$DEVICE"); fi
   "$PY" -m "bench.$name" --quick --out "$LOG_DIR/bench" ${extra[@]+"${extra[@]}"}
 }
 
 echo "== gpu_check in $ROOT, $(date -u), $(uname -srm)"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "WARNING: nvidia-smi failed" >&2
+if [[ $DEVICE == cuda ]]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || echo "WARNING: nvidia-smi failed" >&2
+fi
 python3 -V || { echo "no python3 on this machine" >&2; exit 1; }
-export ROOT LOG_DIR PY VENV IMPORTS_CHECK
+export ROOT LOG_DIR PY VENV IMPORTS_CHECK DEVICE
 export -f versions system_torch_has_cuda install bench_module
-step install 240 yes install
-PY="$VENV/bin/python"
+if [[ $DEVICE == cuda ]]; then
+  step install 240 yes install
+  PY="$VENV/bin/python"
+else
+  PY="${PY:-python3}"
+  skipped install "dry run on cpu: $PY and its packages as they are"
+fi
 export PY PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" RAY_DEDUP_LOGS=0
 step versions 60 yes versions
-step parity 180 no "$PY" -m pytest -q -x -p no:cacheprovider \
-  tests/engine/test_model_parity.py tests/engine/test_engine_vs_transformers.py
+if [[ $DEVICE == cuda ]]; then
+  step parity 180 no "$PY" -m pytest -q -x -p no:cacheprovider \
+    tests/engine/test_model_parity.py tests/engine/test_engine_vs_transformers.py
+else
+  skipped parity "dry run: the test suite runs these on cpu"
+fi
 write_greedy_check
-step greedy_cuda 150 no "$PY" "$WORK/greedy_cuda.py"
+step greedy 150 no "$PY" "$WORK/greedy.py"
 write_disagg_check
-step disagg_cuda 200 no "$PY" "$WORK/disagg_cuda.py"
+step disagg 200 no "$PY" "$WORK/disagg.py"
 for name in transfer engine; do
-  if [[ -f "$ROOT/bench/$name.py" ]]; then
+  if [[ $DEVICE == cpu ]]; then
+    skipped "bench_$name" "dry run: tests/bench runs the benchmarks' smoke tests"
+  elif "$PY" -m "bench.$name" --help >/dev/null 2>&1; then
     step "bench_$name" 150 no bench_module "$name"
   else
-    echo "bench/$name.py is not there yet: skipped"; NAMES+=("bench_$name"); STATUS+=("skipped"); SECONDS_TAKEN+=(0)
+    skipped "bench_$name" "python -m bench.$name is not there"
   fi
 done
-grep -h -E '^(drafts=|requests=)' "$LOG_DIR"/greedy_cuda.log "$LOG_DIR"/disagg_cuda.log 2>/dev/null || true
+grep -h -E '^(drafts=|requests=)' "$LOG_DIR"/greedy.log "$LOG_DIR"/disagg.log 2>/dev/null || true
 print_table
 rm -rf "$WORK"
 if [[ $FAILED -ne 0 ]]; then
   echo "gpu_check: FAILED (see the banners above)" >&2
   exit 1
 fi
-echo "gpu_check: all steps passed"
+echo "gpu_check: all steps passed (device $DEVICE)"

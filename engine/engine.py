@@ -276,10 +276,11 @@ class LLMEngine:
     def _update(self, request: Request, before: int, reason: FinishReason | None,
                 prefill: PrefillResult | None = None) -> RequestUpdate:
         stopper = self._stoppers[request.request_id]
+        is_finished = (prefill.finish_reason if prefill is not None else reason) is not None  # parked != finished
         return RequestUpdate(
             request_id=request.request_id,
             new_token_ids=request.output_token_ids[before:],
-            new_text=stopper.new_text(reason is not None or prefill is not None),
+            new_text=stopper.new_text(is_finished),
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             finish_reason=reason,

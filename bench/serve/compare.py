@@ -81,14 +81,14 @@ def serving(configs: dict[str, str], port: int | None, max_seconds: float, overr
 
     One config keeps its own route prefix; several get ``/<mode>`` each. ``overrides[mode]``
     replaces some of that config's args (the same path may then be served twice, differing
-    only there); ``worker_options[mode]`` is build_app's, by worker deployment name. Each
+    only there); ``worker_options[mode]`` is build_app_with's, by worker deployment name. Each
     is warmed up (first requests pay one-time costs); Serve and Ray are shut down on the
     way out.
     """
     import ray
     from ray import serve
 
-    from app.serve_app import build_app
+    from app.serve_app import build_app_with
 
     loaded = {mode: load_serve_config(path) for mode, path in configs.items()}
     for mode, args in (overrides or {}).items():
@@ -105,7 +105,7 @@ def serving(configs: dict[str, str], port: int | None, max_seconds: float, overr
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         started = time.monotonic()
-        serve.run_many([serve.RunTarget(build_app(app["args"], (worker_options or {}).get(mode)), name=mode,
+        serve.run_many([serve.RunTarget(build_app_with(app["args"], (worker_options or {}).get(mode)), name=mode,
                                         route_prefix=prefixes[mode])
                         for mode, (app, _) in loaded.items()])
         urls = {mode: f"http://127.0.0.1:{port}{prefix.rstrip('/')}" for mode, prefix in prefixes.items()}

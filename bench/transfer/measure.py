@@ -16,6 +16,7 @@ from bench.transfer.geometry import PAGE_NBYTES, B, W, min_slice_pages, window_u
 from engine import SamplingParams
 
 REP_BYTES = 1 << 30  # small transfers are short and noisy: repeat each until ~1 GiB has moved, within the mode's bounds
+HELD = SamplingParams(max_tokens=2, ignore_eos=True)  # a request that ends at its first token holds no pages
 
 
 class Bench:
@@ -33,7 +34,7 @@ class Bench:
         self.count += 1
         if real:
             prompt = [(7 * i) % 256 for i in range(prompt_len)]
-            handle = await self.ctx.prefill.remote(rid, prompt, SamplingParams(max_tokens=1))
+            handle = (await self.ctx.prefill.remote(rid, prompt, HELD)).kv
         else:
             handle = await self.ctx.hold_synthetic.remote(rid, prompt_len)
         start = time.perf_counter()

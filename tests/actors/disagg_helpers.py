@@ -74,7 +74,10 @@ async def disagg_usage(ctx, gen, request_id: str, prompt: list[int], params: Sam
                        handle=None) -> tuple[list[int], int]:
     """``disagg_request``, and the prompt tokens the last update reports as cached."""
     if handle is None:
-        handle = await ctx.prefill.remote(request_id, prompt, params)
+        prefilled = await ctx.prefill.remote(request_id, prompt, params)
+        if prefilled.kv is None:  # the first token ended it: no generation worker
+            return prefilled.first.new_token_ids, prefilled.first.num_cached_tokens
+        handle = prefilled.kv
     tokens, num_cached_tokens = [], 0
     async for ref in gen.generate.remote(handle, prompt, params):
         update = await ref

@@ -90,7 +90,7 @@ def test_pages_land_at_their_ordinals_and_nowhere_else(ray_session):
 
     async def main():
         prompt = list(range(30, 30 + 70))  # window 32, blocks of 8: stale blocks, a partial last block
-        handle = await ctx.prefill.remote("p", prompt, GREEDY)
+        handle = (await ctx.prefill.remote("p", prompt, GREEDY)).kv
         src = {g: await ctx.read_pages.remote(g, [max(p, 0) for p in table])
                for g, table in handle.block_ordinals.items()}
         record = await gen.receive_kv.remote(handle)
@@ -129,9 +129,9 @@ def test_expired_lease_fails_a_late_transfer_and_never_reads_reused_pages(ray_se
                        RemoteGeneration.remote(worker_config()))
 
     async def main():
-        handle = await ctx.prefill.remote("old", list(range(40)), GREEDY)
+        handle = (await ctx.prefill.remote("old", list(range(40)), GREEDY)).kv
         await asyncio.sleep(1.5)  # the lease lapses, the reaper frees the pages
-        reuser = await ctx.prefill.remote("new", list(range(100, 140)), GREEDY)
+        reuser = (await ctx.prefill.remote("new", list(range(100, 140)), GREEDY)).kv
         reused = set(handle.block_ordinals["full"]) & set(reuser.block_ordinals["full"])
         with pytest.raises(Exception, match="expired|no longer holds"):
             await disagg_request_from(handle, gen, list(range(40)))
@@ -165,7 +165,7 @@ def test_abort_at_each_stage_frees_both_sides(ray_session):
         await ctx.prefill.remote("b", list(range(50)), GREEDY)
         assert await ctx.abort.remote("b")
         # after transfer, during decode
-        handle = await ctx.prefill.remote("c", list(range(50)), GREEDY)
+        handle = (await ctx.prefill.remote("c", list(range(50)), GREEDY)).kv
         stream = gen.generate.remote(handle, list(range(50)), SamplingParams(max_tokens=400, ignore_eos=True))
         async for ref in stream:
             await ref
@@ -184,9 +184,9 @@ def test_generation_side_extends_the_lease_while_waiting_for_pages(ray_session):
                        RemoteGeneration.remote(worker_config(num_pages=12)))
 
     async def main():
-        hog = await ctx.prefill.remote("hog", list(range(60)), GREEDY)
+        hog = (await ctx.prefill.remote("hog", list(range(60)), GREEDY)).kv
         await gen.receive_kv.remote(hog)  # holds its pages, not decoding, until aborted
-        waiting = await ctx.prefill.remote("late", list(range(50)), GREEDY)
+        waiting = (await ctx.prefill.remote("late", list(range(50)), GREEDY)).kv
         job = asyncio.ensure_future(disagg_request_tokens(gen, waiting, list(range(50))))
         await asyncio.sleep(5.0)  # longer than the lease: only extensions keep it alive
         assert not job.done(), job.exception()
@@ -212,9 +212,9 @@ def test_abort_while_waiting_for_pages_ends_the_handoff_and_frees_both_sides(ray
                        RemoteGeneration.remote(worker_config(num_pages=12)))
 
     async def main():
-        hog = await ctx.prefill.remote("hog", list(range(60)), GREEDY)
+        hog = (await ctx.prefill.remote("hog", list(range(60)), GREEDY)).kv
         await gen.receive_kv.remote(hog)  # the generation cache is now too full for "late"
-        late = await ctx.prefill.remote("late", list(range(50)), GREEDY)
+        late = (await ctx.prefill.remote("late", list(range(50)), GREEDY)).kv
         job = asyncio.ensure_future(disagg_request_tokens(gen, late, list(range(50))))
         await asyncio.sleep(0.5)
         assert not job.done(), job.exception()
@@ -233,7 +233,7 @@ def test_shutdown_unpublishes_the_peer_record(ray_session):
 
     async def main():
         prompt = list(range(20))
-        handle = await ctx.prefill.remote("s", prompt, GREEDY)
+        handle = (await ctx.prefill.remote("s", prompt, GREEDY)).kv
         agent = (await ctx.stats.remote())["agent"]
         published = lookup(agent)
         await ctx.shutdown.remote()

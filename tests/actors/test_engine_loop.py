@@ -1,4 +1,4 @@
-"""EngineLoop without Ray: a prefill returns its parked result, or raises if it never parks."""
+"""EngineLoop without Ray: a prefill returns its parked update, or raises if it never parks."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_prefill_returns_the_parked_result_and_abort_frees_it(tiny_model):
     async def run():
         loop = EngineLoop(engine)
         loop.start()
-        result = await loop.prefill("p", list(range(20)), GREEDY)
+        result = (await loop.prefill("p", list(range(20)), GREEDY)).prefill
         tables = {g.name: engine.manager.get_block_ordinals("p", g.name) for g in engine.manager.spec.groups}
         assert result.block_ordinals == tables and result.num_prompt_tokens == 20
         assert await loop.abort("p")

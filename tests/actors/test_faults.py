@@ -61,7 +61,7 @@ def test_context_killed_before_the_pull_falls_back_and_a_replacement_transfers(r
     async def main():
         out = {"w": await disagg_request(doomed, gen, "w", prompts["w"], GREEDY)}  # connected to it now
         agent = (await doomed.stats.remote())["agent"]
-        handles = {rid: await doomed.prefill.remote(rid, prompts[rid], params[rid]) for rid in ("g", "s")}
+        handles = {rid: (await doomed.prefill.remote(rid, prompts[rid], params[rid])).kv for rid in ("g", "s")}
         ray.kill(doomed)
         start = time.monotonic()
         out.update(zip(handles, await asyncio.gather(
@@ -98,7 +98,7 @@ def test_context_killed_between_claim_and_read_falls_back(ray_session, tiny_mode
 
     async def main():
         agent = (await ctx.stats.remote())["agent"]
-        handle = await ctx.prefill.remote("k", prompt, SEEDED)
+        handle = (await ctx.prefill.remote("k", prompt, SEEDED)).kv
         job = asyncio.ensure_future(disagg_request(None, gen, "k", prompt, SEEDED, handle=handle))
         while (await ctx.stats.remote())["num_claimed_leases"] == 0:
             await asyncio.sleep(0.02)
@@ -121,7 +121,7 @@ def test_lapsed_lease_falls_back_with_the_same_tokens(ray_session, tiny_model):
     ctx, gen = started(RemoteContext.remote(worker_config(lease_s=0.5)), RemoteGeneration.remote(worker_config()))
 
     async def main():
-        handle = await ctx.prefill.remote("late", prompt, SEEDED)
+        handle = (await ctx.prefill.remote("late", prompt, SEEDED)).kv
         await asyncio.sleep(1.5)  # the lease lapses, the reaper frees the pages
         tokens = await disagg_request(None, gen, "late", prompt, SEEDED, handle=handle)
         agent = handle.context_agent
@@ -172,7 +172,7 @@ def test_generation_dies_before_transfer_and_the_lease_frees_context_pages(ray_s
                        RemoteGeneration.remote(worker_config()))
 
     async def main():
-        handle = await ctx.prefill.remote("z", list(range(50)), GREEDY)
+        handle = (await ctx.prefill.remote("z", list(range(50)), GREEDY)).kv
         ray.kill(gen)
         held = not await all_free(ctx)
         await asyncio.sleep(2.0)
@@ -187,7 +187,7 @@ def test_failed_transfer_is_clear_and_frees_both_sides(ray_session):
 
     async def main():
         prompt = list(range(40))
-        handle = await ctx.prefill.remote("bad", prompt, GREEDY)
+        handle = (await ctx.prefill.remote("bad", prompt, GREEDY)).kv
         broken = dict(handle.block_ordinals)
         broken["full"] = [10_000] * len(broken["full"])  # pages the context side does not have
         with pytest.raises(Exception, match="TransferError|outside|range|pages"):

@@ -68,7 +68,7 @@ async def slice_pages(worker, tables: dict[str, list[int]], P: int) -> dict[str,
 async def pull(ctx, gen, rid: str, prompt: list[int]):
     """Prefill on ``ctx``, then only the handoff on ``gen``: its ReadStats, and whether every page
     at a slice ordinal on ``gen`` (pulled or reused) holds what the context side holds there."""
-    handle = await ctx.prefill.remote(rid, prompt, GREEDY)
+    handle = (await ctx.prefill.remote(rid, prompt, GREEDY)).kv
     want = await slice_pages(ctx, handle.block_ordinals, len(prompt))
     stats = await gen.receive_kv.remote(handle, prompt)
     got = await slice_pages(gen, await gen.block_ordinals.remote(rid), len(prompt))
@@ -125,7 +125,7 @@ def test_an_abort_mid_transfer_leaves_a_shared_prefix_intact_for_the_others(ray_
     P = 80
 
     async def main():
-        handles = {name: await ctx.prefill.remote(name, prompt, GREEDY) for name, prompt in prompts.items()}
+        handles = {name: (await ctx.prefill.remote(name, prompt, GREEDY)).kv for name, prompt in prompts.items()}
         want_b = await slice_pages(ctx, handles["B"].block_ordinals, P)
         job = asyncio.ensure_future(disagg_request(ctx, gen, "A", prompts["A"], GREEDY, handles["A"]))
         while (await ctx.stats.remote())["num_claimed_leases"] == 0 and not job.done():
@@ -136,7 +136,9 @@ def test_an_abort_mid_transfer_leaves_a_shared_prefix_intact_for_the_others(ray_
         while (await ctx.stats.remote())["num_leases"] == 3:
             await asyncio.sleep(0.01)  # A's release reaches the context worker
         # The full group's free pages: 48 - (8 shared + 2 of B + 2 of C) = 36; D takes all of them.
-        await ctx.prefill.remote("D", [(3 * i) % 7 + 240 for i in range(36 * B - 4)], SamplingParams(max_tokens=1))
+        # max_tokens=2: a request that ends at its first token gives its pages back at once
+        await ctx.prefill.remote("D", [(3 * i) % 7 + 240 for i in range(36 * B - 4)],
+                                 SamplingParams(max_tokens=2, ignore_eos=True))
         await gen.receive_kv.remote(handles["B"], prompts["B"])
         got_b = await slice_pages(gen, await gen.block_ordinals.remote("B"), P)
         tokens_c = await disagg_request(ctx, gen, "C", prompts["C"], GREEDY, handles["C"])

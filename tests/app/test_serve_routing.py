@@ -20,7 +20,7 @@ import openai
 import pytest
 from ray import serve
 
-from app.serve_app import build_app
+from app.serve_app import build_app_with
 from engine.model_registry import resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client, wait_until
@@ -39,8 +39,8 @@ ROUTING_DELAY_S = 3.0  # a replica's stats report (1 s) then Serve's routing-sta
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    apps = {"kv": build_app({**ENGINE, "mode": "disagg", "local_prefill_max_tokens": LOCAL_MAX}, TWO_EACH),
-            "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local"})}
+    apps = {"kv": build_app_with({**ENGINE, "mode": "disagg", "local_prefill_max_tokens": LOCAL_MAX}, TWO_EACH),
+            "agg": build_app_with({**ENGINE, "mode": "aggregated", "transport": "local"})}
     with serving(apps) as url:
         yield url
 
@@ -155,7 +155,7 @@ def test_an_abort_lands_on_the_replicas_that_hold_the_request(kv_url):
 
     # Aborts reach their replicas a report period or more after the disconnect on a loaded machine.
     assert wait_until(lambda: num_aborted("ContextWorker") >= 1 and num_aborted("GenerationWorker") >= 1,
-                      timeout_s=30)
+                      timeout_s=30), (before, counts())
     after = settled(counts)
     aborted = {n for n in after if after[n][0] > before[n][0]}
     cancelled = {n for n in after if after[n][1] > before[n][1]}
@@ -164,3 +164,66 @@ def test_an_abort_lands_on_the_replicas_that_hold_the_request(kv_url):
     assert generation_aborted == holders  # the abort reached the holder, not the other replica
     assert len([n for n in aborted if n.startswith("ContextWorker")]) == 1  # the one that prefilled it
     assert all(after[n][0] - before[n][0] == 1 for n in aborted)
+
+
+def completion(client: openai.OpenAI, prompt: str, stream: bool, **kwargs) -> dict:
+    """Text, finish reason, logprobs (tokens, their logprobs, top 2) and usage of one completion."""
+    kwargs = {"model": MODEL, "prompt": prompt, "logprobs": 2, **kwargs}
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+        choices = [c.choices[0] for c in chunks if c.choices]
+        usage = chunks[-1].usage
+    else:
+        reply = client.completions.create(**kwargs)
+        choices, usage = reply.choices, reply.usage
+    logprobs = [c.logprobs for c in choices if c.logprobs is not None]
+    return {"text": "".join(c.text for c in choices), "finish": [c.finish_reason for c in choices][-1],
+            "tokens": sum((lp.tokens for lp in logprobs), []),
+            "logprobs": sum((lp.token_logprobs for lp in logprobs), []),
+            "top": [top for lp in logprobs for top in lp.top_logprobs],
+            "usage": usage.model_dump()}
+
+
+def same_on_both(clients: dict[str, openai.OpenAI], prompt: str, stream: bool, **kwargs) -> dict:
+    """The aggregated reply, once the disaggregated one is the same (logprobs to float32 rounding)."""
+    agg, kv = (completion(clients[app], prompt, stream, **kwargs) for app in ("agg", "kv"))
+    exact = ("text", "finish", "tokens", "usage")
+    assert {k: kv[k] for k in exact} == {k: agg[k] for k in exact}, (prompt, stream, kwargs)
+    assert kv["logprobs"] == pytest.approx(agg["logprobs"], abs=1e-5)
+    assert len(kv["top"]) == len(agg["top"]) and all(k == pytest.approx(a, abs=1e-5)
+                                                     for k, a in zip(kv["top"], agg["top"]))
+    return agg
+
+
+@pytest.mark.parametrize("sampling, seed", [(GREEDY, 300), ({"temperature": 0.8, "seed": 99,
+                                                              "extra_body": {"ignore_eos": True}}, 400)],
+                         ids=["greedy", "seeded"])
+def test_disagg_streams_exactly_what_aggregated_streams(sampling, seed, kv_url, clients, tokenizer):
+    """Token 0 from the context side, the rest from a generation replica: text, logprobs and usage
+    as aggregated, streamed or not; a request that token 0 ends (max_tokens=1, a stop string it
+    completes) never reaches a generation replica. Every prompt is new (uncached part > LOCAL_MAX),
+    except the stop prompts, sent once with max_tokens=1 first to learn token 0: then both apps
+    hold them in their prefix cache, and usage reports the same cached tokens."""
+    prompts = iter(text(seed + i, 60) for i in range(100))
+    for stream in (False, True):
+        reply = same_on_both(clients, next(prompts), stream, max_tokens=12, **sampling)
+        assert reply["usage"]["completion_tokens"] == len(reply["tokens"]) == 12
+    before = settled(lambda: counter_by_replica("prefix_cache_queries"))
+    sent = [next(prompts)]
+    assert same_on_both(clients, sent[-1], True, max_tokens=1, **sampling)["finish"] == "length"
+    stops = []
+    while len(stops) < 2:
+        sent.append(next(prompts))
+        token_0 = same_on_both(clients, sent[-1], False, max_tokens=1, **sampling)["text"]
+        if token_0.isascii() and token_0.isprintable() and token_0.strip():
+            stops.append((sent[-1], token_0))
+    time.sleep(ROUTING_DELAY_S)  # the router sees which context replica holds the stop prompts
+    for (prompt, token_0), stream in zip(stops, (False, True)):
+        reply = same_on_both(clients, prompt, stream, max_tokens=12, stop=[token_0], **sampling)
+        assert (reply["text"], reply["finish"], reply["usage"]["completion_tokens"]) == ("", "stop", 1)
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        sent.append(prompt)
+    queried = delta(before, settled(lambda: counter_by_replica("prefix_cache_queries")))
+    assert sum(v for name, v in queried.items() if name.startswith("GenerationWorker")) == 0, queried
+    assert sum(v for name, v in queried.items() if name.startswith("ContextWorker")) == sum(
+        len(tokenizer.encode(p)) for p in sent), queried

@@ -197,3 +197,32 @@ def test_send_failure_under_asgi_2_4_aborts():
 
     asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=5))
     assert list(backend.requests) == backend.aborted and len(backend.aborted) == 1
+
+
+def test_an_abort_is_not_a_child_of_the_request_it_aborts():
+    """Serve cancels the child calls of a cancelled request (a client that disconnected); an abort
+    started in that request's context would be one of them and could be cancelled unsent."""
+    from ray.serve import context as serve_context
+
+    from app.generation import GenerationRun, ServingContext
+    from app.metrics import ServingMetrics
+    from engine.params import SamplingParams
+
+    seen: list[object] = []
+
+    class RecordingBackend(FakeBackend):
+        async def abort(self, request_id: str) -> None:
+            seen.append(serve_context._serve_request_context.get())
+            await super().abort(request_id)
+
+    async def leave_early() -> ServingContext:
+        ctx = ServingContext(RecordingBackend(), ByteTokenizer(), ServingMetrics())
+        serve_context._serve_request_context.set(serve_context._RequestContext(_internal_request_id="parent"))
+        async with GenerationRun(ctx, "r1", [104, 105], SamplingParams(max_tokens=50)) as run:
+            await anext(run)
+        await asyncio.gather(*ctx.pending_aborts)
+        return ctx
+
+    ctx = asyncio.run(leave_early())
+    assert ctx.backend.aborted == ["r1"]
+    assert seen == [None]  # the abort ran outside the request's Serve context

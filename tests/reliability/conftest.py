@@ -120,8 +120,9 @@ class ReplicaActor:
     deployment: str
 
 
-def replica_actors(deployment: str) -> list[ReplicaActor]:
-    """The live Ray actors of one deployment's replicas in the app.
+def replica_actors(deployment: str, states: tuple[str, ...] = ("ALIVE",)) -> list[ReplicaActor]:
+    """The Ray actors of one deployment's replicas in the app, live ones unless ``states`` says
+    otherwise (a replica Serve just created is ``DEPENDENCIES_UNREADY`` or ``PENDING_CREATION``).
 
     Read from the GCS actor table: ``ray.util.state.list_actors`` needs the
     dashboard, which these tests do not start.
@@ -130,7 +131,7 @@ def replica_actors(deployment: str) -> list[ReplicaActor]:
 
     prefix = f"SERVE_REPLICA::{APP_NAME}#{deployment}#"
     return [ReplicaActor(a["Name"], "serve", a["Pid"], deployment) for a in actors().values()
-            if a["State"] == "ALIVE" and a["Name"].startswith(prefix)]
+            if a["State"] in states and a["Name"].startswith(prefix)]
 
 
 def kill_replica(deployment: str) -> ReplicaActor:
