@@ -25,10 +25,11 @@ from engine.sampler import Sampler, SampleResult
 from engine.scheduler import ScheduledRequest
 
 
-def seed_for_output(request: Request) -> None:
-    """Seed the request's generator for the output token it draws next."""
+def seed_for_output(request: Request, ahead: int = 0) -> None:
+    """Seed the request's generator for the output token it draws next (``ahead`` more: a
+    verify step's row ``ahead``, whose token would be output ``num_output_tokens + ahead``)."""
     if request.generator is not None:
-        request.generator.manual_seed(hash((request.seed, request.num_output_tokens)) & (2**63 - 1))
+        request.generator.manual_seed(hash((request.seed, request.num_output_tokens + ahead)) & (2**63 - 1))
 
 
 def sample_batch(sampler: Sampler, scheduled: list[ScheduledRequest], output: RunOutput) -> SampleResult:

@@ -219,8 +219,8 @@ class LLMEngine:
     def _verify(self, item: ScheduledRequest, rows: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
         """The verified drafts plus one token."""
         request = item.request
-        seed_for_output(request)
-        result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator)
+        result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator,
+                                     reseed=lambda row: seed_for_output(request, ahead=row))
         request.num_drafts_proposed += len(item.draft_token_ids)
         request.num_drafts_accepted += result.num_accepted
         self.num_drafts_proposed += len(item.draft_token_ids)
