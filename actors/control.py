@@ -43,6 +43,10 @@ class ControlError(RuntimeError):
     """The peer answered with an error, or did not answer in time."""
 
 
+class ControlTimeout(ControlError):
+    """The peer did not answer in time: it may be dead, unlike one that answered with an error."""
+
+
 class ControlChannel:
     def __init__(self, transport: KVTransport, peers: PeerDirectory, poll_s: float = 0.001) -> None:
         self.transport = transport
@@ -69,7 +73,8 @@ class ControlChannel:
                 future.set_exception(ControlError(f"{self.transport.agent_name}: control channel stopped"))
 
     async def ask(self, peer: str, message: ControlMessage, timeout_s: float = 10.0) -> str:
-        """Send ``message`` and wait for the reply: the Ok's text; ControlError on an Error or no answer."""
+        """Send ``message`` and wait for the reply: the Ok's text; ControlError on an Error,
+        ControlTimeout on no answer within ``timeout_s`` (the bound on a dead peer)."""
         key = (peer, next(self._ids))
         future = asyncio.get_running_loop().create_future()
         self._pending[key] = future
@@ -78,7 +83,7 @@ class ControlChannel:
             reply = await asyncio.wait_for(future, timeout_s)
         except asyncio.TimeoutError:
             what = type(message).__name__
-            raise ControlError(f"{peer} did not answer {what} within {timeout_s:.1f}s") from None
+            raise ControlTimeout(f"{peer} did not answer {what} within {timeout_s:.1f}s") from None
         finally:
             self._pending.pop(key, None)
         if isinstance(reply, Error):

@@ -17,26 +17,54 @@ any failure or cancel (an ``abort`` of a request in handoff cancels it), a
 read in flight is waited for, then our pages are freed and the context side
 is told to release its own; so a read can never land in pages another
 request was given.
+
+Fallback. When the handoff fails because the context side is unavailable
+(``ContextUnavailable``: its Claim is refused, as after a lapsed lease, or
+unanswered within ``claim_timeout_s``; its record is gone; a read from it
+fails or times out), the request is not lost: after that cleanup it runs
+here as a local prefill that keeps the first token the context side already
+sampled (``add_request(first_token=...)``), so the caller's stream is the one
+a transfer gives. A peer that did not answer is forgotten (its metadata and
+connection dropped) once no other handoff uses it. Other failures (a prompt
+that does not match the handle or is too long, no free pages in time, a
+cancel, a rejected read) fail the request as before::
+
+    claim / pull fails ─► cleanup (no read in flight, our pages freed, Release told)
+                       ─► forget the peer (unless it answered) ─► local prefill, first token given
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from actors.config import WorkerConfig
+from actors.control import ControlError, ControlTimeout
 from actors.messages import Claim, Extend, KVHandle, Release
-from actors.transport import PageRun, ReadStats, coalesce
+from actors.peers import PeerNotFoundError, lookup
+from actors.transport import PageRun, PeerUnreachable, ReadStats, coalesce
 from actors.worker_base import KVWorker
 from engine import RequestUpdate, SamplingParams
 from kvcache import plan_pull
 
+log = logging.getLogger(__name__)
+
 
 class TransferFailed(RuntimeError):
     """The prompt's KV could not be brought over; the request fails, nothing leaks."""
+
+
+class ContextUnavailable(TransferFailed):
+    """The context side cannot hand the KV over (gone, unreachable, lease lapsed): ``generate``
+    computes it here instead. ``is_answering``: the peer replied (refused), so it is alive."""
+
+    def __init__(self, why: str, is_answering: bool) -> None:
+        super().__init__(why)
+        self.is_answering = is_answering
 
 
 @dataclass
@@ -44,6 +72,7 @@ class Handoff:
     """One request's KV on its way here: the task bringing it, and its read once posted."""
 
     task: asyncio.Task
+    context_agent: str
     read: asyncio.Future[ReadStats] | None = None
     over: asyncio.Event = field(default_factory=asyncio.Event)  # set once it succeeded or was undone
 
@@ -54,19 +83,47 @@ class GenerationWorker(KVWorker):
     def __init__(self, config: WorkerConfig | None = None) -> None:
         super().__init__(config)
         self._handoffs: dict[str, Handoff] = {}
+        self.num_transfer_fallbacks = 0
 
     async def generate(self, handle: KVHandle, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestUpdate]:
-        """reserve ─► claim ─► pull ─► release ─► add ─► stream the request's updates."""
+        """reserve ─► claim ─► pull ─► release ─► add ─► stream the request's updates;
+        a local prefill instead when the context side is unavailable."""
+        try:
+            queue, updates = await self._receive(handle, prompt_token_ids, params)
+        except ContextUnavailable as lost:
+            queue, updates = await self._fall_back(handle, prompt_token_ids, params, lost)
+        self.loop.deliver(updates)
+        async for update in self.loop.stream(handle.request_id, queue):
+            yield update
+
+    async def _receive(self, handle: KVHandle, prompt_token_ids: list[int],
+                       params: SamplingParams) -> tuple[asyncio.Queue[RequestUpdate], list[RequestUpdate]]:
         rid = handle.request_id
         async with self._handoff(handle) as handoff:
             await self._transfer(handoff, handle, prompt_token_ids)  # reserve, claim, pull, release
             queue = self.loop.watch(rid)
             updates = await self.loop.call(self.engine.add_prefilled, rid, prompt_token_ids, handle.first_token_id,
                                            params, handle.first_logprob, handle.num_cached_tokens)
-        self.loop.deliver(updates)
-        async for update in self.loop.stream(rid, queue):
-            yield update
+        return queue, updates
+
+    async def _fall_back(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams,
+                         lost: ContextUnavailable) -> tuple[asyncio.Queue[RequestUpdate], list[RequestUpdate]]:
+        """Prefill here, keeping the context side's first token (the handoff is already undone)."""
+        rid, agent = handle.request_id, handle.context_agent
+        log.warning("request %s: context side %s unavailable (%s); prefilling here", rid, agent, lost)
+        self.num_transfer_fallbacks += 1
+        if not lost.is_answering and not self._is_reading_from(agent):
+            self.peers.forget(agent)
+        queue = self.loop.watch(rid)
+        try:
+            await self.loop.call(self.engine.add_request, rid, prompt_token_ids, params,
+                                 first_token=(handle.first_token_id, handle.first_logprob))
+        except BaseException:
+            self.loop.unwatch(rid)
+            await asyncio.shield(self.loop.call(self.engine.abort, rid))
+            raise
+        return queue, []
 
     async def generate_local(self, request_id: str, prompt_token_ids: list[int],
                              params: SamplingParams) -> AsyncIterator[RequestUpdate]:
@@ -102,7 +159,7 @@ class GenerationWorker(KVWorker):
         rid = handle.request_id
         if rid in self._handoffs:
             raise TransferFailed(f"request {rid!r} is already being received")
-        handoff = self._handoffs[rid] = Handoff(asyncio.current_task())
+        handoff = self._handoffs[rid] = Handoff(asyncio.current_task(), handle.context_agent)
         try:
             yield handoff
         except BaseException:
@@ -130,11 +187,30 @@ class GenerationWorker(KVWorker):
                                  f"got {len(prompt_token_ids)}")
         await self.loop.call(self.engine.check_prompt, handle.prompt_len)
         await self._reserve(handle, prompt_token_ids)
-        await self.control.ask(handle.context_agent, Claim(handle.request_id),
-                               timeout_s=self.config.transfer_timeout_s)
+        await self._claim(handle)
         stats = await self._pull(handoff, handle)
         self._release_context(handle)
         return stats
+
+    async def _claim(self, handle: KVHandle) -> None:
+        """Hold the context lease for the pull, over a connection to the peer's current record
+        (one Ray KV read per request: a replacement that re-published its name is reconnected).
+        A dead peer delays this by at most ``claim_timeout_s``."""
+        rid, agent = handle.request_id, handle.context_agent
+        try:
+            record = await asyncio.to_thread(lookup, agent)
+            if not self._is_reading_from(agent):
+                self.peers.ensure_current(agent, record)
+            await self.control.ask(agent, Claim(rid), timeout_s=self.config.claim_timeout_s)
+        except (PeerNotFoundError, PeerUnreachable, ControlTimeout) as e:
+            raise ContextUnavailable(f"claim of {rid!r} on {agent}: {e}", is_answering=False) from e
+        except ControlError as e:
+            raise ContextUnavailable(f"claim of {rid!r} refused by {agent}: {e}", is_answering=True) from e
+
+    def _is_reading_from(self, agent: str) -> bool:
+        """A read from ``agent`` is in flight: its connection must not change (nor be dropped) under it."""
+        return any(h.context_agent == agent and h.read is not None and not h.read.done()
+                   for h in self._handoffs.values())
 
     def _release_context(self, handle: KVHandle) -> None:
         try:
@@ -167,21 +243,27 @@ class GenerationWorker(KVWorker):
 
     async def _pull(self, handoff: Handoff, handle: KVHandle) -> ReadStats:
         runs, num_bytes = await self.loop.call(self._plan, handle)
-        handoff.read = asyncio.ensure_future(asyncio.to_thread(self._read, handle.context_agent, runs))
-        stats = await asyncio.shield(handoff.read)  # a cancel leaves the read running; _undo waits for it
+        agent = handle.context_agent
+        try:
+            self.peers.ensure_connected(agent)  # on this loop, not in the read's thread: connections change here only
+            handoff.read = asyncio.ensure_future(asyncio.to_thread(self._read, agent, runs))
+            stats = await asyncio.shield(handoff.read)  # a cancel leaves the read running; _undo waits for it
+        except (PeerNotFoundError, PeerUnreachable) as e:
+            raise ContextUnavailable(f"pull of {handle.request_id!r} from {agent}: {e}", is_answering=False) from e
         if stats.num_bytes != num_bytes:
             raise TransferFailed(f"request {handle.request_id!r}: moved {stats.num_bytes} bytes, "
                                  f"the slice has {num_bytes}")
         return stats
 
     def _read(self, peer: str, runs: list[PageRun]) -> ReadStats:
-        self.peers.ensure_connected(peer)
+        """In a worker thread; the connection it uses was made on the event loop (``_pull``)."""
         return self.transport.read(peer, runs, self.config.transfer_timeout_s)
 
     async def stats(self) -> dict:
         total = self.transport.total
         return {**await super().stats(), "kv_transfers": total.num_reads,
-                "kv_transfer_bytes": total.num_bytes, "kv_transfer_seconds": total.seconds}
+                "kv_transfer_bytes": total.num_bytes, "kv_transfer_seconds": total.seconds,
+                "num_transfer_fallbacks": self.num_transfer_fallbacks}
 
     async def block_ordinals(self, request_id: str) -> dict[str, list[int]]:
         manager = self.engine.manager

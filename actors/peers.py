@@ -4,6 +4,12 @@ Each worker publishes, under key ``kv-peer/<agent name>``, its transport
 metadata and a compatibility descriptor (model, dtype, tokens_per_block, page
 layout, groups and windows: a plain dict). A reader connects lazily on first
 use and only to a peer whose descriptor equals its own, field by field.
+
+A record outlives a killed process (only ``unpublish`` removes it), so a
+record found does not mean a live peer; and a replacement may publish under
+a name we know with new metadata. Hence ``ensure_current`` (reconnect when
+the record changed since we connected) and ``forget`` (drop a dead peer's
+connection; the next use looks it up again).
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ class PeerDirectory:
     def __init__(self, transport: KVTransport, compat: dict) -> None:
         self.transport = transport
         self.compat = _canonical(compat)
-        self._connected: set[str] = set()
+        self._connected: dict[str, str] = {}  # peer -> the transport metadata (base64) we connected with
 
     def publish(self) -> None:
         record = {
@@ -94,16 +100,29 @@ class PeerDirectory:
         Raises PeerNotFoundError if it never published, PeerMismatchError
         (naming every differing field) if its descriptor differs from ours.
         """
-        if peer_name in self._connected:
-            return
-        record = lookup(peer_name)
+        if peer_name not in self._connected:
+            self.connect(peer_name, lookup(peer_name))
+
+    def ensure_current(self, peer_name: str, record: dict) -> None:
+        """Be connected with ``record`` (just looked up): a peer that re-published different
+        metadata under the same name (a replacement process) is reconnected, so nothing is
+        sent or read over the connection to the process it replaced."""
+        if self._connected.get(peer_name) != record["transport"]:
+            self.connect(peer_name, record)
+
+    def connect(self, peer_name: str, record: dict) -> None:
+        """Check ``record``'s descriptor and connect to its metadata (replacing an older one)."""
         differences = compat_differences(self.compat, record["compat"])
         if differences:
             raise PeerMismatchError(f"KV peer {peer_name!r} is incompatible: " + "; ".join(differences))
+        self._connected.pop(peer_name, None)  # the transport drops the old metadata before the new
         self.transport.connect(peer_name, base64.b64decode(record["transport"]))
-        self._connected.add(peer_name)
+        self._connected[peer_name] = record["transport"]
 
     def forget(self, peer_name: str) -> None:
-        """Drop the cached connection; the next ensure_connected fetches again."""
-        self._connected.discard(peer_name)
+        """Drop the cached connection; the next ensure_connected fetches again.
+
+        Call it only while nothing reads from that peer: the transport releases what a read uses.
+        """
+        self._connected.pop(peer_name, None)
         self.transport.disconnect(peer_name)

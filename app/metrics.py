@@ -53,6 +53,9 @@ WORKER_SERIES = {
     "prefix_cache_queries": (f"{PREFIX}_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                              "counter"),
     "prefix_cache_hits": (f"{PREFIX}_prefix_cache_hits", "Prompt tokens found in the prefix cache", "counter"),
+    "num_transfer_fallbacks": (f"{PREFIX}_kv_transfer_fallbacks",
+                               "Prompts prefilled on a generation worker because their KV could not be pulled",
+                               "counter"),
 }
 WORKER_LABELS = ("worker", "role")
 # top-level stats key -> (metric name, help): the ingress's own counters ("_total" appended on exposition).

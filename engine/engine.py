@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from engine.batch_sampling import sample_batch, seed_for_output
 from engine.config import EngineConfig, max_model_len
 from engine.draft_policy import DraftLengthPolicy
 from engine.drafter import make_drafter
@@ -35,7 +36,7 @@ from engine.params import SamplingParams
 from engine.reports import engine_stats, routing_stats
 from engine.request import Request
 from engine.runner import ModelRunner, RunOutput
-from engine.sampler import Sampler, SampleResult
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from engine.stopping import StopChecker
 from engine.tokenizer import IncrementalDecoder
@@ -100,9 +101,16 @@ class LLMEngine:
         return self.drafter.propose(request.all_token_ids, max_len) if max_len > 0 else []
 
     # -- adding requests ---------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request to run until it finishes; ``step`` reports its updates."""
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    first_token: tuple[int, TokenLogprob | None] | None = None) -> None:
+        """Queue a request to run until it finishes; ``step`` reports its updates.
+
+        ``first_token`` (id, logprob): a context worker already sampled it; the prefill here keeps
+        it in place of its own draw (``engine.batch_sampling``), as ``add_prefilled`` would.
+        """
+        request = self._new_request(request_id, prompt_token_ids, params)
+        request.first_token = first_token
+        self.scheduler.add(request)
 
     def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a prefill-only request: parked after its first token with its pages kept.
@@ -194,7 +202,7 @@ class LLMEngine:
         return updates
 
     def _postprocess(self, scheduled: list[ScheduledRequest], output: RunOutput) -> list[RequestUpdate]:
-        sampled = self._sample_batch(scheduled, output)
+        sampled = sample_batch(self.sampler, scheduled, output)
         updates = []
         for i, (item, span) in enumerate(zip(scheduled, output.spans)):
             request = item.request
@@ -208,37 +216,11 @@ class LLMEngine:
                 updates.append(self._advance(request, [sampled.token_ids[i]], [sampled.logprobs[i]]))
         return updates
 
-    @staticmethod
-    def _seed(request: Request) -> None:
-        if request.generator is not None:
-            # Draws depend on (seed, output index) only: the same seeded request gives the
-            # same tokens whichever worker samples which token, and after a preemption.
-            request.generator.manual_seed(hash((request.seed, request.num_output_tokens)) & (2**63 - 1))
-
-    def _sample_batch(self, scheduled: list[ScheduledRequest], output: RunOutput) -> SampleResult:
-        """One sampler call for every request that samples one token this step (no drafts).
-
-        Result row i belongs to ``scheduled[i]``; rows of the other requests are placeholders.
-        """
-        picked = [i for i, span in enumerate(output.spans) if span is not None and not scheduled[i].draft_token_ids]
-        token_ids: list[int] = [-1] * len(scheduled)
-        logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
-        if picked:
-            requests = [scheduled[i].request for i in picked]
-            for request in requests:
-                self._seed(request)
-            rows = torch.tensor([output.spans[i][0] for i in picked], device=output.logits.device)
-            result = self.sampler.sample(output.logits.index_select(0, rows), [r.params for r in requests],
-                                         [r.generator for r in requests])
-            for j, i in enumerate(picked):
-                token_ids[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
-        return SampleResult(token_ids, logprobs)
-
     def _verify(self, item: ScheduledRequest, rows: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
         """The verified drafts plus one token."""
         request = item.request
-        self._seed(request)
-        result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator)
+        result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator,
+                                     reseed=lambda row: seed_for_output(request, ahead=row))
         request.num_drafts_proposed += len(item.draft_token_ids)
         request.num_drafts_accepted += result.num_accepted
         self.num_drafts_proposed += len(item.draft_token_ids)

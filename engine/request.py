@@ -38,6 +38,7 @@ class Request:
     seed: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    first_token: tuple[int, TokenLogprob | None] | None = None  # given, not sampled (batch_sampling)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks (kvcache.hashing)
@@ -68,6 +69,21 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_first_token_given(self) -> bool:
+        """Its next token is output 0 and was sampled elsewhere: this step keeps it instead."""
+        return self.first_token is not None and self.num_output_tokens == 0
+
+    @property
+    def may_draft(self) -> bool:
+        """Drafts are verified against this step's logits: not for a parked prefill, and not for a
+        given first token (the drafts would be checked against a token that is then replaced)."""
+        return not self.prefill_only and not self.is_first_token_given
+
+    def given_or_sampled(self, token_id: int, logprob: TokenLogprob | None) -> tuple[int, TokenLogprob | None]:
+        """The given first token in place of the sampled one while it is due, else the sampled one."""
+        return self.first_token if self.is_first_token_given else (token_id, logprob)
 
     @property
     def is_finished(self) -> bool:

@@ -14,7 +14,7 @@ a seeded request's tokens do not depend on what it is batched with.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -80,29 +80,36 @@ def _filtered_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return torch.zeros_like(scaled).scatter_(-1, sorted_ids, sorted_probs)
 
 
-def rejection_sample(
-    probs: torch.Tensor, draft_token_ids: Sequence[int], generator: torch.Generator | None
+def match_sample(
+    probs: torch.Tensor, draft_token_ids: Sequence[int], generator: torch.Generator | None,
+    reseed: Callable[[int], None] | None = None,
 ) -> list[int]:
-    """Speculative rejection sampling for a deterministic drafter.
+    """Speculative verification for a deterministic drafter: draw, then compare.
 
-    ``probs`` is ``[k+1, V]``, the target distribution ``p_i`` per row. With
-    the draft distribution one-hot at ``d_i``, accept ``d_i`` with
-    probability ``p_i(d_i)``; on the first rejection emit a draw from ``p_i``
-    with ``d_i`` removed and renormalised; if all are accepted emit a bonus
-    draw from ``p_k``. Each emitted token is then distributed exactly as
-    ``p`` says. Returns the accepted drafts plus that one token.
+    ``probs`` is ``[k+1, V]``, the target distribution ``p_i`` per row. Row
+    ``i``'s token is a draw from ``p_i`` (``reseed(i)`` first: the generator
+    seeded for that output position); draft ``d_i`` is accepted iff the draw
+    equals it, and the first draw that differs (or row ``k``'s, the bonus) is
+    emitted::
+
+        row     0     1     2 (= k)
+        draw    t0    t1    t2
+        drafts  d0    d1
+        t0 == d0, t1 != d1  ->  emit d0, t1
+
+    Each emitted token is then distributed as ``p`` says, ``d_i`` is accepted
+    with probability ``p_i(d_i)`` (as rejection sampling with a one-hot draft
+    would), and, seeded by position, the tokens are the ones sequential
+    sampling draws: the same whatever the draft length, so a seeded request's
+    output does not depend on speculation.
     """
-    num_drafts, device = len(draft_token_ids), probs.device
-    uniforms = torch.rand(num_drafts, generator=generator, device=device).tolist()
-    drafts = torch.tensor(list(draft_token_ids), dtype=torch.long, device=device)
-    draft_probs = probs[torch.arange(num_drafts, device=device), drafts].tolist()
-    for i in range(len(draft_token_ids)):
-        if uniforms[i] < draft_probs[i]:
-            continue
-        residual = probs[i].index_fill(0, drafts[i : i + 1], 0.0)
-        if float(residual.sum()) > 0.0:  # else p_i(d_i) == 1 up to rounding: accept
-            return list(draft_token_ids[:i]) + [_draw(residual, generator)]
-    return list(draft_token_ids) + [_draw(probs[-1], generator)]
+    for i in range(len(draft_token_ids) + 1):
+        if reseed is not None:
+            reseed(i)
+        token_id = _draw(probs[i], generator)
+        if i == len(draft_token_ids) or token_id != draft_token_ids[i]:
+            return list(draft_token_ids[:i]) + [token_id]
+    raise AssertionError("unreachable: the last row always emits")
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -169,6 +176,7 @@ class Sampler:
         draft_token_ids: Sequence[int],
         params: SamplingParams,
         generator: torch.Generator | None,
+        reseed: Callable[[int], None] | None = None,
     ) -> VerifyResult:
         """Check ``k`` drafts of one request against the target model's ``[k+1, V]`` logits.
 
@@ -182,8 +190,9 @@ class Sampler:
         the argmax of the first mismatching row (row ``k`` if all match), so
         the output equals sequential greedy decoding.
 
-        Sampling: ``rejection_sample`` on ``sampling_probs`` of every row,
-        so every emitted token is distributed as without speculation.
+        Sampling: ``match_sample`` on ``sampling_probs`` of every row (``reseed(i)``
+        seeds the generator for row ``i``'s output position), so every emitted token
+        is the one sampling without speculation draws.
         """
         num_drafts = len(draft_token_ids)
         if logits.shape[0] != num_drafts + 1:
@@ -194,7 +203,7 @@ class Sampler:
             token_ids = self._verify_greedy(logits, draft_token_ids)
         else:
             probs = sampling_probs(logits, [params] * (num_drafts + 1))
-            token_ids = rejection_sample(probs, draft_token_ids, generator)
+            token_ids = match_sample(probs, draft_token_ids, generator, reseed)
         num_tops = [params.logprobs] * len(token_ids)
         logprobs = _token_logprobs(logits[: len(token_ids)], token_ids, num_tops)
         return VerifyResult(token_ids, len(token_ids) - 1, logprobs)

@@ -136,7 +136,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> ScheduledRequest:
         item = ScheduledRequest(request, min(request.num_uncomputed_tokens, budget))
-        if item.reaches_end and self.propose is not None and not request.prefill_only:
+        if item.reaches_end and self.propose is not None and request.may_draft:
             item.draft_token_ids = self.propose(request, self._max_drafts(request, budget - item.num_new_tokens))
         return item
 

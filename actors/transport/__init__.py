@@ -12,6 +12,7 @@ import importlib
 from actors.transport.base import (
     KVTransport,
     PageRun,
+    PeerUnreachable,
     ReadStats,
     TransferError,
     coalesce,
@@ -36,6 +37,6 @@ def make_transport(kind: str, name: str, **kw) -> KVTransport:
 
 
 __all__ = [
-    "KVTransport", "LocalFabric", "LocalTransport", "PageRun", "ReadStats", "TransferError",
+    "KVTransport", "LocalFabric", "LocalTransport", "PageRun", "PeerUnreachable", "ReadStats", "TransferError",
     "coalesce", "make_transport", "unique_agent_name",
 ]

@@ -33,6 +33,12 @@ class TransferError(RuntimeError):
     """A read failed, timed out, or was rejected (unknown peer, bad page ids)."""
 
 
+class PeerUnreachable(TransferError):
+    """The peer did not take part: a connection, notification or read that failed or timed out
+    once posted, as when its process died. A rejected read (bad page ids, a peer we never
+    connected) is a plain ``TransferError``: retrying elsewhere would not fix the caller."""
+
+
 @dataclass(frozen=True)
 class PageRun:
     """Pages ``src_page .. src_page+num_pages-1`` of the peer -> ``dst_page ..`` of ours."""

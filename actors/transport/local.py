@@ -10,7 +10,7 @@ from collections import deque
 
 import torch
 
-from actors.transport.base import KVTransport, PageRun, TransferError, TransportMetadata
+from actors.transport.base import KVTransport, PageRun, PeerUnreachable, TransferError, TransportMetadata
 
 
 class LocalFabric:
@@ -30,7 +30,7 @@ class LocalFabric:
     def lookup(self, agent_name: str) -> LocalTransport:
         member = self._members.get(agent_name)
         if member is None:
-            raise TransferError(f"no agent {agent_name!r} on this local fabric")
+            raise PeerUnreachable(f"no agent {agent_name!r} on this local fabric")
         return member
 
 

@@ -50,7 +50,7 @@ import torch
 from nixl import _bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-from actors.transport.base import GroupRegion, KVTransport, PageRun, TransferError, TransportMetadata
+from actors.transport.base import GroupRegion, KVTransport, PageRun, PeerUnreachable, TransferError, TransportMetadata
 
 _MAX_POLL_SLEEP_S = 2e-4
 
@@ -85,7 +85,7 @@ class NixlTransport(KVTransport):
         except TransferError:
             raise
         except Exception as e:
-            raise TransferError(f"{self.agent_name}: cannot connect to {peer.agent_name!r}: {e!r}") from e
+            raise PeerUnreachable(f"{self.agent_name}: cannot connect to {peer.agent_name!r}: {e!r}") from e
 
     def _disconnect(self, peer_name: str) -> None:
         dlist = self._remote_dlists.pop(peer_name, None)
@@ -100,11 +100,15 @@ class NixlTransport(KVTransport):
             handle = self.agent.make_prepped_xfer(
                 "READ", self._local_dlist, local_idx, self._remote_dlists[peer.agent_name], remote_idx)
         except Exception as e:
-            raise TransferError(f"{self.agent_name}: cannot make READ from {peer.agent_name!r}: {e!r}") from e
+            raise PeerUnreachable(f"{self.agent_name}: cannot make READ from {peer.agent_name!r}: {e!r}") from e
         try:
             self._wait(handle, peer.agent_name, len(runs), timeout_s)
             if self.capture_telemetry:
                 self.last_nixl_descriptors = self.agent.get_xfer_telemetry(handle).descCount
+        except TransferError:
+            raise
+        except Exception as e:  # e.g. nixlRemoteDisconnectError: the peer's process is gone
+            raise PeerUnreachable(f"{self.agent_name}: READ from {peer.agent_name!r} failed: {e!r}") from e
         finally:
             _release(handle)
 
@@ -113,20 +117,20 @@ class NixlTransport(KVTransport):
         state, pause = self.agent.transfer(handle), 0.0
         while state == "PROC":
             if time.monotonic() > deadline:
-                raise TransferError(
+                raise PeerUnreachable(
                     f"READ of {num_runs} runs from {peer_name!r} timed out after {timeout_s}s; "
                     "the destination pages are undefined")
             time.sleep(pause)
             pause = min(max(2 * pause, 1e-5), _MAX_POLL_SLEEP_S)
             state = self.agent.check_xfer_state(handle)
         if state != "DONE":
-            raise TransferError(f"READ of {num_runs} runs from {peer_name!r} failed (NIXL state {state})")
+            raise PeerUnreachable(f"READ of {num_runs} runs from {peer_name!r} failed (NIXL state {state})")
 
     def _send_notif(self, peer_name: str, message: bytes) -> None:
         try:
             self.agent.send_notif(peer_name, message)
         except Exception as e:
-            raise TransferError(f"{self.agent_name}: cannot notify {peer_name!r}: {e!r}") from e
+            raise PeerUnreachable(f"{self.agent_name}: cannot notify {peer_name!r}: {e!r}") from e
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         arrived = self.agent.get_new_notifs()

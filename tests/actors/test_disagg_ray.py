@@ -144,8 +144,9 @@ def test_expired_lease_fails_a_late_transfer_and_never_reads_reused_pages(ray_se
 
 
 async def disagg_request_from(handle, gen, prompt):
-    async for ref in gen.generate.remote(handle, prompt, GREEDY):
-        await ref
+    """The handoff alone: ``generate`` would fall back to a local prefill (tests/actors/test_faults.py)."""
+    await gen.receive_kv.remote(handle, prompt)
+    await gen.abort.remote(handle.request_id)
 
 
 def test_abort_at_each_stage_frees_both_sides(ray_session):

@@ -1,5 +1,7 @@
-"""Faults between real workers: a dead peer, a failed transfer. Errors are clear
-and bounded in time, and no page is leaked on the side that survives."""
+"""Faults between real workers: a dead peer, a failed transfer. A context side that dies
+or lets its lease lapse under a handoff costs the request nothing (the generation worker
+prefills it, keeping the first token); other errors are clear and bounded in time, and no
+page is leaked on the side that survives."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import time
 
 import pytest
 import ray
+import torch
 
+from actors.generation_worker import GenerationWorker
+from actors.peers import PeerDirectory, lookup
+from actors.transport import LocalFabric, PageRun, make_transport, unique_agent_name
 from bench.common import start_ray
 from engine import SamplingParams
 from tests.actors.disagg_helpers import (
@@ -19,8 +25,12 @@ from tests.actors.disagg_helpers import (
     started,
     worker_config,
 )
+from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+CLAIM_TIMEOUT_S = 1.0
+PAUSE_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -36,26 +46,125 @@ async def all_free(worker) -> bool:
     return stats["num_free_pages"] == stats["num_total_pages"]
 
 
-def test_context_dies_between_prefill_and_transfer(ray_session):
-    doomed, spare, gen = started(RemoteContext.remote(worker_config()), RemoteContext.remote(worker_config()),
-                                 RemoteGeneration.remote(worker_config(transfer_timeout_s=3.0)))
+def test_context_killed_before_the_pull_falls_back_and_a_replacement_transfers(ray_session, tiny_model):
+    """Handles in hand, the context actor is killed (the generation worker was connected to it):
+    each stream completes from a local prefill with the aggregated tokens, greedy and seeded; the
+    dead peer is dropped; a new context actor then serves the next request by a real transfer."""
+    prompts = {"g": list(range(40)), "s": [(3 * i) % 256 for i in range(29)], "w": list(range(60, 90)),
+               "n": list(range(100, 137))}
+    params = {"g": GREEDY, "s": SEEDED, "w": GREEDY, "n": GREEDY}
+    expected = {rid: run_to_completion(make_engine(tiny_model, tokens_per_block=8), [prompts[rid]], params[rid])["r0"]
+                for rid in prompts}
+    doomed, gen = started(RemoteContext.remote(worker_config()),
+                          RemoteGeneration.remote(worker_config(claim_timeout_s=CLAIM_TIMEOUT_S)))
 
     async def main():
-        prompt = list(range(40))
-        handle = (await doomed.prefill.remote("x", prompt, GREEDY)).kv
+        out = {"w": await disagg_request(doomed, gen, "w", prompts["w"], GREEDY)}  # connected to it now
+        agent = (await doomed.stats.remote())["agent"]
+        handles = {rid: (await doomed.prefill.remote(rid, prompts[rid], params[rid])).kv for rid in ("g", "s")}
         ray.kill(doomed)
         start = time.monotonic()
-        with pytest.raises(Exception, match="did not answer|not found|TransferError|gone|Control"):
-            await disagg_request(None, gen, "x", prompt, GREEDY, handle=handle)
+        out.update(zip(handles, await asyncio.gather(
+            *[disagg_request(None, gen, rid, prompts[rid], params[rid], handle=h) for rid, h in handles.items()])))
         took = time.monotonic() - start
-        # the generation worker keeps serving with another context worker
-        tokens = await disagg_request(spare, gen, "y", prompt, GREEDY)
-        return took, tokens, await all_free(gen), await all_free(spare)
+        after_kill = await gen.stats.remote()
+        connected = await is_connected(gen, agent)
+        spare = started(RemoteContext.remote(worker_config()))[0]
+        out["n"] = await disagg_request(spare, gen, "n", prompts["n"], GREEDY)
+        return out, took, after_kill, connected, await gen.stats.remote(), await all_free(gen), await all_free(spare)
 
-    took, tokens, gen_free, spare_free = asyncio.run(main())
-    assert took < 10, f"the error took {took:.1f}s"
-    assert len(tokens) == GREEDY.max_tokens
+    out, took, after_kill, connected, final, gen_free, spare_free = asyncio.run(main())
+    assert out == expected
+    assert took < CLAIM_TIMEOUT_S + 5, f"the fallback took {took:.1f}s"
+    assert (after_kill["num_transfer_fallbacks"], after_kill["kv_transfers"]) == (2, 1)
+    assert not connected
+    assert (final["num_transfer_fallbacks"], final["kv_transfers"]) == (2, 2)  # the replacement: a real pull
     assert gen_free and spare_free
+
+
+class PauseBeforePull(GenerationWorker):
+    """A generation worker that waits between its granted Claim and its read (a test's window to kill)."""
+
+    async def _pull(self, handoff, handle):
+        await asyncio.sleep(PAUSE_S)
+        return await super()._pull(handoff, handle)
+
+
+def test_context_killed_between_claim_and_read_falls_back(ray_session, tiny_model):
+    prompt = list(range(50))
+    expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), [prompt], SEEDED)["r0"]
+    ctx, gen = started(RemoteContext.remote(worker_config()),
+                       ray.remote(num_cpus=0)(PauseBeforePull).remote(worker_config(transfer_timeout_s=5.0)))
+
+    async def main():
+        agent = (await ctx.stats.remote())["agent"]
+        handle = (await ctx.prefill.remote("k", prompt, SEEDED)).kv
+        job = asyncio.ensure_future(disagg_request(None, gen, "k", prompt, SEEDED, handle=handle))
+        while (await ctx.stats.remote())["num_claimed_leases"] == 0:
+            await asyncio.sleep(0.02)
+        ray.kill(ctx)  # claimed, not yet read
+        start = time.monotonic()
+        tokens = await asyncio.wait_for(job, 60)
+        return tokens, time.monotonic() - start, await gen.stats.remote(), await is_connected(gen, agent), \
+            await all_free(gen)
+
+    tokens, took, stats, connected, gen_free = asyncio.run(main())
+    assert tokens == expected
+    assert (stats["num_transfer_fallbacks"], stats["kv_transfers"]) == (1, 0)
+    assert took < PAUSE_S + 5.0 + 5, f"the fallback took {took:.1f}s"  # the read's own timeout bounds it
+    assert not connected and gen_free
+
+
+def test_lapsed_lease_falls_back_with_the_same_tokens(ray_session, tiny_model):
+    prompt = list(range(40))
+    expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), [prompt], SEEDED)["r0"]
+    ctx, gen = started(RemoteContext.remote(worker_config(lease_s=0.5)), RemoteGeneration.remote(worker_config()))
+
+    async def main():
+        handle = (await ctx.prefill.remote("late", prompt, SEEDED)).kv
+        await asyncio.sleep(1.5)  # the lease lapses, the reaper frees the pages
+        tokens = await disagg_request(None, gen, "late", prompt, SEEDED, handle=handle)
+        agent = handle.context_agent
+        return tokens, await gen.stats.remote(), await is_connected(gen, agent), await all_free(gen), \
+            await all_free(ctx)
+
+    tokens, stats, connected, gen_free, ctx_free = asyncio.run(main())
+    assert tokens == expected
+    assert (stats["num_transfer_fallbacks"], stats["kv_transfers"]) == (1, 0)
+    assert connected  # it answered (refused): alive, so its connection is kept
+    assert gen_free and ctx_free
+
+
+def test_a_peer_republished_under_the_same_name_is_reconnected(ray_session):
+    """A replacement publishes new metadata under a name we are connected to: ``ensure_current``
+    reconnects, and a read lands the replacement's pages, not reads through the old metadata."""
+    name, compat = unique_agent_name("ctx"), {"model": "m"}
+    reader = make_transport("local", unique_agent_name("gen"), fabric=LocalFabric())
+    reader.register({"full": torch.zeros(4, 8)})
+    peers = PeerDirectory(reader, compat)
+    old = make_transport("local", name, fabric=reader.fabric)
+    old.register({"full": torch.full((4, 8), 1.0)})
+    PeerDirectory(old, compat).publish()
+    peers.ensure_current(name, lookup(name))
+    first = reader.peers[name]
+    old.close()
+    new = make_transport("local", name, fabric=reader.fabric)
+    new.register({"full": torch.full((6, 8), 2.0)})  # a new process: new regions
+    PeerDirectory(new, compat).publish()
+    peers.ensure_connected(name)  # the cached connection: no look-up
+    assert reader.peers[name] == first
+    peers.ensure_current(name, lookup(name))
+    assert reader.peers[name] != first and reader.peers[name].regions["full"].num_pages == 6
+    reader.read(name, [PageRun("full", 5, 0, 1)])
+    assert reader.tensors["full"][0].eq(2.0).all()
+    peers.forget(name)
+    assert not peers.is_connected(name) and not reader.is_connected(name)
+    PeerDirectory(new, compat).unpublish()
+
+
+async def is_connected(worker, agent: str) -> bool:
+    return await worker.__ray_call__.remote(lambda self: self.peers.is_connected(agent)
+                                            or self.transport.is_connected(agent))
 
 
 def test_generation_dies_before_transfer_and_the_lease_frees_context_pages(ray_session):

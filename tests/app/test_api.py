@@ -279,6 +279,7 @@ def test_metrics_exposition(make_server):
     assert samples[("windserve_kv_pages_free", ctx)] == 61
     assert samples[("windserve_kv_transfer_bytes_total", ctx)] == 4096
     assert samples[("windserve_spec_draft_tokens_accepted_total", gen)] == 25
+    assert samples[("windserve_kv_transfer_fallbacks_total", gen)] == 2
     assert ("windserve_kv_transfer_bytes_total", gen) not in samples
 
 

@@ -38,6 +38,21 @@ def test_speculative_greedy_output_is_identical(tiny_model, draft_len):
     assert run_to_completion(engine, prompts, GREEDY) == base
 
 
+@pytest.mark.parametrize("draft_len", [1, 2, 3])
+def test_speculative_seeded_output_is_identical(tiny_model, draft_len):
+    """Seeded sampling with drafts gives the tokens it gives without: each output position's draw
+    is seeded by (seed, position), and a draft is accepted only where it equals that draw."""
+    prompts = mixed_prompts(5, seed=3) + [[10, 20, 30, 40, 50] * 8]
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=100 + i, ignore_eos=True)
+              for i, t in enumerate([0.2, 0.5, 1.0, 0.2, 0.5, 0.2])]
+    base = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, params)
+    engine = make_engine(tiny_model, tokens_per_block=8, max_draft_len=draft_len)
+    # always the longest draft (the adaptive policy drafts nothing where acceptance is low)
+    engine.scheduler.draft_policy.draft_len = lambda num_accepted, num_proposed: draft_len
+    assert run_to_completion(engine, prompts, params) == base
+    assert engine.num_drafts_accepted > 0  # speculation really ran, and some drafts passed
+
+
 def test_drafts_are_accepted_on_repetitive_prompts(tiny_model):
     engine = make_engine(tiny_model, tokens_per_block=8, max_draft_len=3)
     prompt = [10, 20, 30, 40, 50] * 8

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.params import SamplingParams
-from engine.sampler import Sampler, rejection_sample, sampling_probs
+from engine.sampler import Sampler, match_sample, sampling_probs
 
 GREEDY = SamplingParams()
 
@@ -197,15 +197,24 @@ def test_verify_rejects_wrong_row_count():
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), num_drafts=st.integers(0, 4), data=st.data())
-def test_sampled_verify_is_rejection_sampling_of_sampling_probs(seed, num_drafts, data):
+def test_sampled_verify_emits_the_tokens_sequential_sampling_draws(seed, num_drafts, data):
+    """Seeded by position, verify's tokens are the draws sequential sampling makes: the accepted
+    drafts are exactly those draws, the emitted token the first draw that differs."""
     params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95, logprobs=1)
     logits = _logits(num_drafts + 1, 8, seed)
-    drafts = data.draw(st.lists(st.integers(0, 7), min_size=num_drafts, max_size=num_drafts))
-    result = Sampler().verify(logits, drafts, params, _gen(seed))
     probs = sampling_probs(logits, [params] * (num_drafts + 1))
-    assert result.token_ids == rejection_sample(probs, drafts, _gen(seed))
-    assert result.token_ids[: result.num_accepted] == drafts[: result.num_accepted]
-    assert len(result.token_ids) == len(result.logprobs) == result.num_accepted + 1
+    sequential = [int(torch.multinomial(probs[i], 1, generator=_gen(seed + i))) for i in range(num_drafts + 1)]
+    # drafts that agree with the draws for a while, then anything
+    num_right = data.draw(st.integers(0, num_drafts))
+    drafts = sequential[:num_right] + data.draw(st.lists(st.integers(0, 7), min_size=num_drafts - num_right,
+                                                         max_size=num_drafts - num_right))
+    gen = torch.Generator()
+    result = Sampler().verify(logits, drafts, params, gen, reseed=lambda row: gen.manual_seed(seed + row))
+    n = len(result.token_ids)
+    assert result.token_ids == sequential[:n]
+    assert drafts[: n - 1] == sequential[: n - 1] and (n == num_drafts + 1 or drafts[n - 1] != sequential[n - 1])
+    assert result.num_accepted == n - 1 >= num_right
+    assert len(result.logprobs) == n
 
 
 # Target rows over a vocab of 5: row 0 scores draft 0, row 1 scores draft 1, row 2 the bonus.
@@ -223,7 +232,7 @@ NUM_DRAWS = 20_000
     ],
     ids=["likely", "unlikely", "impossible"],
 )
-def test_rejection_sampling_keeps_the_target_distribution(params, drafts):
+def test_speculative_sampling_keeps_the_target_distribution(params, drafts):
     """The property speculation rests on: each emitted token is distributed as p says.
 
     The first emitted token follows p_0 whatever the draft; given that drafts
@@ -234,7 +243,7 @@ def test_rejection_sampling_keeps_the_target_distribution(params, drafts):
     gen = _gen(11)
     counts = [Counter() for _ in range(3)]
     for _ in range(NUM_DRAWS):
-        token_ids = rejection_sample(probs, drafts, gen)
+        token_ids = match_sample(probs, drafts, gen)
         for position, token_id in enumerate(token_ids):
             counts[position][token_id] += 1
     assert counts[0].total() == NUM_DRAWS

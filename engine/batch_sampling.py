@@ -1,0 +1,50 @@
+"""One sampler call per step for the requests that sample one token (no drafts to verify).
+
+Draws depend on (seed, output index) only: ``seed_for_output`` reseeds a
+request's generator before each draw, so the same seeded request gives the
+same tokens whichever worker samples which token, and after a preemption.
+
+A request whose first token is given (``Request.first_token``: a local
+prefill of a prompt another worker already sampled) still draws at its
+prefill step, so the draw for output 0 happens as it did there, then keeps
+the given token and logprob in place of the drawn ones::
+
+    output index    0                  1        2   ...
+    context side    draw -> t0 (sent)
+    this worker     draw, keep t0      draw     draw        (same seeds: same t1, t2, ...)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.request import Request
+from engine.runner import RunOutput
+from engine.sampler import Sampler, SampleResult
+from engine.scheduler import ScheduledRequest
+
+
+def seed_for_output(request: Request, ahead: int = 0) -> None:
+    """Seed the request's generator for the output token it draws next (``ahead`` more: a
+    verify step's row ``ahead``, whose token would be output ``num_output_tokens + ahead``)."""
+    if request.generator is not None:
+        request.generator.manual_seed(hash((request.seed, request.num_output_tokens + ahead)) & (2**63 - 1))
+
+
+def sample_batch(sampler: Sampler, scheduled: list[ScheduledRequest], output: RunOutput) -> SampleResult:
+    """Row i belongs to ``scheduled[i]``; rows of requests that do not sample one token are placeholders."""
+    picked = [i for i, span in enumerate(output.spans) if span is not None and not scheduled[i].draft_token_ids]
+    token_ids: list[int] = [-1] * len(scheduled)
+    logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
+    if not picked:
+        return SampleResult(token_ids, logprobs)
+    requests = [scheduled[i].request for i in picked]
+    for request in requests:
+        seed_for_output(request)
+    rows = torch.tensor([output.spans[i][0] for i in picked], device=output.logits.device)
+    result = sampler.sample(output.logits.index_select(0, rows), [r.params for r in requests],
+                            [r.generator for r in requests])
+    for j, (i, request) in enumerate(zip(picked, requests)):
+        token_ids[i], logprobs[i] = request.given_or_sampled(result.token_ids[j], result.logprobs[j])
+    return SampleResult(token_ids, logprobs)
