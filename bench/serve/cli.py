@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--workload shared-prefix: with 2 or more, KV-aware vs Serve's default router "
                              "(bench.serve.routing) instead of cache on vs off")
     parser.add_argument("--generation-replicas", type=int, default=1, help="with --context-replicas")
+    parser.add_argument("--turns", type=int, default=None,
+                        help="--context-replicas: turns per conversation (default: the size's); a first turn "
+                             "always misses, so more turns raise the hit rate any router can reach")
     parser.add_argument("--out", default=os.path.join("bench", "out"))
     return parser.parse_args(argv)
 

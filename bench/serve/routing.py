@@ -66,6 +66,8 @@ def draw_routing(plt, runs: dict) -> None:
 
 def routing_compare(args: argparse.Namespace) -> dict:
     sizes = SIZES["quick" if args.quick else "full"]
+    if args.turns:
+        sizes = {**sizes, "num_turns": args.turns}
     trace = make_chat_trace(**sizes, seed=args.seed, private_every=1)
     progress(f"routing: {len(trace)} requests per mode, {args.context_replicas} context replicas ({sizes})")
     model = load_serve_config(args.config)[0]["args"]["model"]
