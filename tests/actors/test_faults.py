@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 
 import pytest
@@ -29,8 +30,8 @@ from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_mo
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
-CLAIM_TIMEOUT_S = 1.0
-PAUSE_S = 2.0
+CLAIM_TIMEOUT_S = 3.0  # a live context side answers in ms; room for a loaded machine
+PAUSE_S = 60.0  # at most: the test resumes the read once the context actor is gone
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,19 @@ def ray_session():
     start_ray(num_cpus=2)
     yield
     ray.shutdown()
+
+
+async def kill_and_wait(actor) -> None:
+    """``ray.kill`` and wait until the actor's process is gone. Ray fails calls to a killed actor at
+    once, but its process (and the NIXL agent serving its pages) can outlive that for a while on a
+    loaded machine: a read right after the kill could still succeed."""
+    pid = await actor.__ray_call__.remote(lambda self: os.getpid())
+    ray.kill(actor)
+    for _ in range(600):
+        if not os.path.exists(f"/proc/{pid}"):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the killed actor's process {pid} is still there after 30 s")
 
 
 async def all_free(worker) -> bool:
@@ -62,7 +76,7 @@ def test_context_killed_before_the_pull_falls_back_and_a_replacement_transfers(r
         out = {"w": await disagg_request(doomed, gen, "w", prompts["w"], GREEDY)}  # connected to it now
         agent = (await doomed.stats.remote())["agent"]
         handles = {rid: (await doomed.prefill.remote(rid, prompts[rid], params[rid])).kv for rid in ("g", "s")}
-        ray.kill(doomed)
+        await kill_and_wait(doomed)
         start = time.monotonic()
         out.update(zip(handles, await asyncio.gather(
             *[disagg_request(None, gen, rid, prompts[rid], params[rid], handle=h) for rid, h in handles.items()])))
@@ -83,10 +97,18 @@ def test_context_killed_before_the_pull_falls_back_and_a_replacement_transfers(r
 
 
 class PauseBeforePull(GenerationWorker):
-    """A generation worker that waits between its granted Claim and its read (a test's window to kill)."""
+    """A generation worker that waits between its granted Claim and its read until ``resume``
+    (a test's window to kill the context side)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._resume = asyncio.Event()
+
+    async def resume(self) -> None:
+        self._resume.set()
 
     async def _pull(self, handoff, handle):
-        await asyncio.sleep(PAUSE_S)
+        await asyncio.wait_for(self._resume.wait(), PAUSE_S)
         return await super()._pull(handoff, handle)
 
 
@@ -102,7 +124,8 @@ def test_context_killed_between_claim_and_read_falls_back(ray_session, tiny_mode
         job = asyncio.ensure_future(disagg_request(None, gen, "k", prompt, SEEDED, handle=handle))
         while (await ctx.stats.remote())["num_claimed_leases"] == 0:
             await asyncio.sleep(0.02)
-        ray.kill(ctx)  # claimed, not yet read
+        await kill_and_wait(ctx)  # claimed, not yet read
+        await gen.resume.remote()
         start = time.monotonic()
         tokens = await asyncio.wait_for(job, 60)
         return tokens, time.monotonic() - start, await gen.stats.remote(), await is_connected(gen, agent), \
@@ -111,7 +134,7 @@ def test_context_killed_between_claim_and_read_falls_back(ray_session, tiny_mode
     tokens, took, stats, connected, gen_free = asyncio.run(main())
     assert tokens == expected
     assert (stats["num_transfer_fallbacks"], stats["kv_transfers"]) == (1, 0)
-    assert took < PAUSE_S + 5.0 + 5, f"the fallback took {took:.1f}s"  # the read's own timeout bounds it
+    assert took < 5.0 + 5, f"the fallback took {took:.1f}s"  # the read's own timeout (5 s) bounds it
     assert not connected and gen_free
 
 

@@ -10,6 +10,8 @@ board (pages, cancelled streams, aborts received).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import string
 import time
@@ -18,6 +20,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from app.serve_app import build_app_with
@@ -227,3 +231,63 @@ def test_disagg_streams_exactly_what_aggregated_streams(sampling, seed, kv_url, 
     assert sum(v for name, v in queried.items() if name.startswith("GenerationWorker")) == 0, queried
     assert sum(v for name, v in queried.items() if name.startswith("ContextWorker")) == sum(
         len(tokenizer.encode(p)) for p in sent), queried
+
+
+
+def context_replica_names() -> list[str]:
+    from ray._private.state import actors
+
+    prefix = "SERVE_REPLICA::kv#ContextWorker#"
+    return sorted(a["Name"] for a in actors().values() if a["State"] == "ALIVE" and a["Name"].startswith(prefix))
+
+
+def fallbacks(url: str) -> float:
+    """The ingress's context fallbacks plus every generation worker's transfer fallbacks."""
+    names = {"windserve_context_fallbacks_total", "windserve_kv_transfer_fallbacks_total"}
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name in names)
+
+
+async def stream_one(http: httpx.AsyncClient, url: str, body: dict, first_seen: asyncio.Event,
+                     killed: asyncio.Event) -> dict:
+    """One streamed completion: its outcome, and whether its token 0 came after the kill."""
+    token_0_after_kill, events = None, []
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
+        async for line in reply.aiter_lines():
+            if line.startswith("data: "):
+                if token_0_after_kill is None:  # the first event carries token 0
+                    token_0_after_kill = killed.is_set()
+                    first_seen.set()
+                events.append(line[len("data: "):])
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    ok = (reply.status_code == 200 and events[-1:] == ["[DONE]"] and not any("error" in c for c in chunks)
+          and chunks[-1]["choices"][0]["finish_reason"] == "length")
+    return {"ok": ok, "token_0_after_kill": bool(token_0_after_kill), "last": events[-2:]}
+
+
+def test_one_of_two_context_replicas_killed_under_20_requests_loses_none(kv_url):
+    """Issue #13's check: 20 concurrent streamed requests, one of the two context replicas killed
+    as soon as the first token 0 arrives; every request completes. The kill must hit work in
+    flight: requests still without token 0 when it happened, and fallbacks (the ingress's to a
+    generation replica, or a generation worker's own prefill when its pull failed) that grew.
+    Runs last in the module: it leaves a context replica being replaced."""
+    victims = context_replica_names()
+    assert len(victims) == 2
+    before = fallbacks(kv_url)
+    bodies = [{"model": MODEL, "prompt": text(500 + i, 200), "max_tokens": 16, "ignore_eos": True,
+               "temperature": 0, "stream": True} for i in range(20)]
+
+    async def main() -> list[dict]:
+        first_seen, killed = asyncio.Event(), asyncio.Event()
+        async with httpx.AsyncClient(timeout=60) as http:
+            tasks = [asyncio.create_task(stream_one(http, kv_url, body, first_seen, killed)) for body in bodies]
+            await asyncio.wait_for(first_seen.wait(), timeout=60)
+            ray.kill(ray.get_actor(victims[0], namespace="serve"), no_restart=True)
+            killed.set()
+            return await asyncio.gather(*tasks)
+
+    outcomes = asyncio.run(main())
+    assert [o["ok"] for o in outcomes] == [True] * 20, [o["last"] for o in outcomes if not o["ok"]]
+    late = sum(o["token_0_after_kill"] for o in outcomes)
+    assert late > 0, "every request had its token 0 before the kill"
+    assert wait_until(lambda: fallbacks(kv_url) > before, timeout_s=10), "the kill hit no request in flight"
