@@ -291,3 +291,5 @@ def test_one_of_two_context_replicas_killed_under_20_requests_loses_none(kv_url)
     late = sum(o["token_0_after_kill"] for o in outcomes)
     assert late > 0, "every request had its token 0 before the kill"
     assert wait_until(lambda: fallbacks(kv_url) > before, timeout_s=10), "the kill hit no request in flight"
+    print(f"\nkilled 1 of 2 context replicas under 20 requests: 20 ok, {late} without token 0 at the kill, "
+          f"{fallbacks(kv_url) - before:.0f} fallbacks")
