@@ -18,9 +18,10 @@
       the context replica unavailable before token 0 (it died, its actor is gone, Serve has
       none): generation.generate_local instead, counted in ``num_context_fallbacks``.
 
-The generation call is opened before ``first`` is yielded: an async generator
-runs only while its consumer pulls, and the consumer may spend a while sending
-``first`` to the client; the KV moves meanwhile.
+The generation call is opened by a task created just before ``first`` is
+yielded: it runs as soon as the loop is free (while the consumer sends
+``first`` to the client), so the open is not on token 0's path and does not
+wait for the consumer's next pull; the KV moves meanwhile.
 
 Every call carries the hint for the KV-aware router (app.routing), which
 places it by cache hit and load, and remembers where each request id went.
@@ -43,7 +44,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from actors.messages import Prefilled
+from actors.messages import KVHandle, Prefilled
 from app.placement import GenerationCaches, PromptHasher
 from app.routing import RoutingHint
 from engine.outputs import RequestUpdate
@@ -79,14 +80,20 @@ def without_first_token(first: RequestUpdate, update: RequestUpdate) -> RequestU
     return dataclasses.replace(update, new_token_ids=update.new_token_ids[1:], new_text=text, logprobs=logprobs)
 
 
-async def relay(stream: DeploymentResponseGenerator, first: RequestUpdate | None = None
+def _cancel_opening(opening: asyncio.Task) -> None:
+    """The consumer left right after token 0: cancel the generation call, opened or not yet."""
+    if not opening.done():
+        opening.cancel()
+    elif not opening.cancelled() and opening.exception() is None:
+        opening.result().cancel()
+
+
+async def relay(stream: DeploymentResponseGenerator, spliced_onto: RequestUpdate | None = None
                 ) -> AsyncIterator[RequestUpdate]:
-    """Yield ``first`` (if any), then the stream's updates, the first of them spliced onto ``first``;
-    the stream's call is cancelled if the consumer leaves before its finish."""
-    is_finished = False
+    """Yield the stream's updates, the first of them spliced onto ``spliced_onto`` (token 0, which
+    the caller already sent); the stream's call is cancelled if the consumer leaves before its finish."""
+    is_finished, first = False, spliced_onto
     try:
-        if first is not None:
-            yield first
         async for update in stream:
             if first is not None:
                 update, first = without_first_token(first, update), None
@@ -169,11 +176,23 @@ class ServeBackend:
             yield prefilled.first  # no generation call at all
             return
         else:
-            stream = self.generation.options(stream=True).generate.remote(
-                prefilled.kv, prompt_token_ids, params, hint=dataclasses.replace(hint, is_transfer=True))
-            updates = relay(stream, prefilled.first)
+            # A task opens the generation call once the loop is free (while the consumer sends token 0):
+            # the open is neither on token 0's path nor waits for the consumer's next pull.
+            opening = asyncio.ensure_future(self._open_generation(prefilled.kv, prompt_token_ids, params, hint))
+            try:
+                yield prefilled.first
+                stream = await opening
+            except BaseException:
+                _cancel_opening(opening)
+                raise
+            updates = relay(stream, spliced_onto=prefilled.first)
         async for update in updates:
             yield update
+
+    async def _open_generation(self, kv: KVHandle, prompt_token_ids: list[int], params: SamplingParams,
+                               hint: RoutingHint) -> DeploymentResponseGenerator:
+        return self.generation.options(stream=True).generate.remote(
+            kv, prompt_token_ids, params, hint=dataclasses.replace(hint, is_transfer=True))
 
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        hint: RoutingHint) -> Prefilled | None:

@@ -29,7 +29,7 @@ from bench.serve.trace import make_trace
 
 COMPARE_CONFIGS = {"disagg": "configs/disagg.yaml", "aggregated": "configs/aggregated.yaml"}
 COMPARE_SIZES = {  # per phase: requests, concurrency, input/output lengths; long-short: long prompts
-    "full": dict(low=dict(num_requests=24, concurrency=1, input_len=32, output_len=24),
+    "full": dict(low=dict(num_requests=64, concurrency=1, input_len=32, output_len=24),
                  mix=dict(num_requests=48, concurrency=8, input_len=32, output_len=48, long_input_len=1500,
                           long_fraction=0.15)),
     "quick": dict(low=dict(num_requests=8, concurrency=1, input_len=32, output_len=16),
