@@ -46,6 +46,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0
 WORKER_SERIES = {
     "pages_in_use": (f"{PREFIX}_kv_pages_in_use", "KV cache pages bound to requests", "gauge"),
     "num_free_pages": (f"{PREFIX}_kv_pages_free", "KV cache pages free", "gauge"),
+    "num_empty_pages": (f"{PREFIX}_kv_pages_empty", "KV cache pages free and holding no cached block", "gauge"),
     "kv_transfer_bytes": (f"{PREFIX}_kv_transfer_bytes", "KV bytes moved context -> generation", "counter"),
     "kv_transfer_seconds": (f"{PREFIX}_kv_transfer_seconds", "Seconds spent moving KV", "counter"),
     "num_drafts_proposed": (f"{PREFIX}_spec_draft_tokens_proposed", "Draft tokens proposed", "counter"),

@@ -20,9 +20,14 @@ prefills locally) or the pages to pull (a generation replica receiving the KV:
 ``hit`` then counts the slice blocks it holds, by ordinal, ``ReplicaView.pull_hit``)
 this replica would add; ``queued_prefill_tokens`` the prefill work
 ahead of it there; ``ongoing_requests`` Serve's own queue length (or the
-replica's running + waiting when Serve has none yet). Replicas that have not
-reported rank last. Serve takes the first replica of the first rank that
-accepts (its queue below ``max_ongoing_requests``).
+replica's running + waiting when Serve has none yet). Among equal costs (a
+prompt no replica holds, no queues: every new conversation at low load) the
+replica with the most empty pages (free and holding no cached block) ranks
+first, so new prefixes spread by cache footprint, not by chance: the caches of
+N replicas then hold N times the prefixes of one, where a random spread
+overfills one replica's cache while another's stands empty. Replicas that
+have not reported rank last. Serve takes the first replica of the first rank
+that accepts (its queue below ``max_ongoing_requests``).
 
 Sticky cancellation: an ``abort`` must reach the replica that holds the
 request, not any replica. The router remembers which replica each request id
@@ -65,6 +70,7 @@ class ReplicaView:
     """A replica's routing stats, parsed once per decision."""
 
     num_free_pages: int | None = None
+    num_empty_pages: int = 0  # free pages that hold no cached block: taking them evicts nothing
     num_total_pages: int | None = None
     num_ongoing: int = 0
     queued_prefill_tokens: int = 0
@@ -81,6 +87,7 @@ class ReplicaView:
         summaries = {g: BlockSummary.from_bytes(b) for g, b in (stats.get("cache_summaries") or {}).items()}
         return cls(
             num_free_pages=stats["num_free_pages"],
+            num_empty_pages=int(stats.get("num_empty_pages") or 0),
             num_total_pages=stats.get("num_total_pages"),
             num_ongoing=int(stats.get("num_running", 0)) + int(stats.get("num_waiting", 0)),
             queued_prefill_tokens=int(stats.get("queued_prefill_tokens", 0)),
@@ -149,21 +156,23 @@ def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, 
 def rank_replicas(
     replicas: Sequence[Any], hint: RoutingHint | None, queue_len: Callable[[Any], int | None], scales: CostScales
 ) -> list[list[Any]]:
-    """One rank per reported replica, cheapest first, then the unreported ones as one rank.
+    """One rank per reported replica, cheapest first (equal costs: most empty pages first),
+    then the unreported ones as one rank.
 
     ``replicas``: anything with ``routing_stats``; ``hint`` None (no prompt) scores load only.
     """
     hint = hint or RoutingHint("")
-    shuffled = random.sample(list(replicas), len(replicas))  # fair among equal costs
+    shuffled = random.sample(list(replicas), len(replicas))  # fair among equal costs and footprints
     scored, unknown = [], []
     for replica in shuffled:
         view = ReplicaView.from_stats(replica.routing_stats or {})
         if view is None:
             unknown.append(replica)
         else:
-            scored.append((replica_cost(view, hint, queue_len(replica), scales), replica))
-    scored.sort(key=lambda pair: pair[0])
-    return [[replica] for _, replica in scored] + ([unknown] if unknown else [])
+            cost = replica_cost(view, hint, queue_len(replica), scales)
+            scored.append((cost, -view.num_empty_pages, replica))
+    scored.sort(key=lambda entry: entry[:2])
+    return [[replica] for _, _, replica in scored] + ([unknown] if unknown else [])
 
 
 def hint_of(pending_request: PendingRequest | None) -> RoutingHint | None:

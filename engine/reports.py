@@ -15,6 +15,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "num_waiting": len(engine.scheduler.waiting),
         "num_running": len(engine.scheduler.running),
         "num_free_pages": engine.manager.num_free_pages(),
+        "num_empty_pages": engine.manager.num_empty_pages(),
         "num_total_pages": engine.manager.num_total_pages(),
         "num_preemptions": engine.scheduler.num_preemptions,
         "num_forward_passes": engine.runner.num_forward_passes,

@@ -74,6 +74,12 @@ class KVCacheManager:
             return self.pools[group].num_free
         return sum(pool.num_free for pool in self.pools.values())
 
+    def num_empty_pages(self, group: str | None = None) -> int:
+        """Free pages that hold no cached block: an allocation this size evicts nothing."""
+        if group is not None:
+            return self.pools[group].num_empty
+        return sum(pool.num_empty for pool in self.pools.values())
+
     def num_total_pages(self, group: str | None = None) -> int:
         if group is not None:
             return self.pools[group].num_pages

@@ -50,6 +50,11 @@ class PagePool:
         return len(self._free_heap) + len(self._evictable)
 
     @property
+    def num_empty(self) -> int:
+        """Free pages that hold no cached block: taking one evicts nothing."""
+        return len(self._free_heap)
+
+    @property
     def num_cached(self) -> int:
         return len(self._page_of)
 

@@ -79,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=None,
                         help="--context-replicas: turns per conversation (default: the size's); a first turn "
                              "always misses, so more turns raise the hit rate any router can reach")
+    parser.add_argument("--conversations", type=int, default=None,
+                        help="--context-replicas: conversations in the trace (default: the size's)")
+    parser.add_argument("--num-pages", type=int, default=None,
+                        help="--context-replicas: every worker's KV pages (the config's num_pages); smaller than "
+                             "all conversations' prefixes puts the caches under pressure")
     parser.add_argument("--out", default=os.path.join("bench", "out"))
     return parser.parse_args(argv)
 
@@ -99,4 +104,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 def watchdog_s(args: argparse.Namespace) -> float:
     """How long ``python -m bench.serve`` may run before it dumps every thread's stack and exits."""
-    return 900.0 if args.compare or args.workload != "random" else args.max_seconds + 120.0
+    if args.compare or args.workload != "random":  # startup, warm-up and the run: --max-seconds bounds the run
+        return max(900.0, args.max_seconds + 300.0)
+    return args.max_seconds + 120.0

@@ -9,6 +9,13 @@ system prompt) alternates request by request between them, as
 bench.serve.prefix does. Figures per mode: context-side prefix hit rate
 (/metrics deltas), TTFT p50 / p99.
 
+Cache pressure (``--num-pages``, ``--conversations``): with every replica's
+cache smaller than all conversations' prefixes together but larger than its
+share, Serve's default router makes every replica cache every conversation
+(each evicting the others: least recently used first), while the KV-aware
+router keeps each conversation on one replica, so N replicas cache N times
+what one can. This is the case a cache-aware router exists for.
+
 Targets: hit rate (kv) >= 0.8 and >= 1.5x the default router's; TTFT p50 default / kv >= 1.5.
 """
 
@@ -41,6 +48,13 @@ def worker_options(args: argparse.Namespace, mode: str) -> dict[str, dict]:
     return {name: {"num_replicas": n, **router} for name, n in counts.items()}
 
 
+def app_overrides(args: argparse.Namespace) -> dict[str, dict]:
+    """Config args both modes are served with: every prompt through a context replica (the
+    context router is what is measured), and ``--num-pages`` where given."""
+    pages = {"num_pages": args.num_pages} if args.num_pages else {}
+    return {mode: {"local_prefill_max_tokens": 0, **pages} for mode in MODES}
+
+
 def routing_figures(runs: dict) -> dict:
     per_mode = {mode: mode_figures(*runs[mode]) for mode in MODES}
     kv, default = per_mode["kv"], per_mode["default"]
@@ -68,19 +82,19 @@ def routing_compare(args: argparse.Namespace) -> dict:
     sizes = SIZES["quick" if args.quick else "full"]
     if args.turns:
         sizes = {**sizes, "num_turns": args.turns}
+    if args.conversations:
+        sizes = {**sizes, "num_conversations": args.conversations}
     trace = make_chat_trace(**sizes, seed=args.seed, private_every=1)
     progress(f"routing: {len(trace)} requests per mode, {args.context_replicas} context replicas ({sizes})")
     model = load_serve_config(args.config)[0]["args"]["model"]
     options = {mode: worker_options(args, mode) for mode in MODES}
-    # Every prompt goes through a context replica: the context router is what is measured.
-    no_local = dict.fromkeys(MODES, {"local_prefill_max_tokens": 0})
-    with serving(dict.fromkeys(MODES, args.config), args.port, args.max_seconds, no_local,
+    with serving(dict.fromkeys(MODES, args.config), args.port, args.max_seconds, app_overrides(args),
                  worker_options=options) as urls:
         runs = run_workload(urls, model, trace, args.max_seconds)
     figures = routing_figures(runs)
     write_json(args.out, "serve_routing", {"sizes": sizes, "seed": args.seed, "config": args.config,
-                                           "context_replicas": args.context_replicas, **figures,
-                                           "requests": {m: [asdict(r) for r in runs[m][0]] for m in MODES}})
+                                           "context_replicas": args.context_replicas, "num_pages": args.num_pages,
+                                           **figures, "requests": {m: [asdict(r) for r in runs[m][0]] for m in MODES}})
     write_plot(args.out, "serve_routing", lambda plt: draw_routing(plt, runs))
     print_routing(figures)
     return figures

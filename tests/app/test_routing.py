@@ -6,6 +6,8 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.routing import CostScales, ReplicaView, RoutingHint, rank_replicas
 from kvcache import BlockSummary, block_hashes, stale_end
@@ -22,12 +24,13 @@ def prompt_hint(num_tokens: int = 1000, seed: int = 0) -> RoutingHint:
 
 
 def replica(name: str, cached: dict[str, list[bytes]] | None = None, *, free: int = 1000, queued: int = 0,
-            running: int = 0, fingerprint: bytes = FINGERPRINT, reported: bool = True):
+            running: int = 0, fingerprint: bytes = FINGERPRINT, reported: bool = True, empty: int | None = None):
     if not reported:
         return SimpleNamespace(name=name, routing_stats={})
     cached = cached or {g: [] for g in WINDOWS}
     stats = {
-        "num_free_pages": free, "num_total_pages": 1000, "num_running": running, "num_waiting": 0,
+        "num_free_pages": free, "num_empty_pages": free if empty is None else empty, "num_total_pages": 1000,
+        "num_running": running, "num_waiting": 0,
         "queued_prefill_tokens": queued, "tokens_per_block": B, "kv_fingerprint": fingerprint,
         "windows": WINDOWS, "cache_summaries": {g: BlockSummary.of(cached[g], 500).to_bytes() for g in WINDOWS},
     }
@@ -112,3 +115,33 @@ def test_a_receiver_is_credited_with_the_slice_blocks_it_holds():
     slice_blocks = 63 + (63 - stale_end(1000, 64, B))
     assert view.hit(transfer) == 1000 * 60 // slice_blocks
     assert order([replica("cold"), replica("g", held)], transfer) == ["g", "cold"]
+
+
+def test_among_equal_costs_the_replica_with_the_most_empty_pages_wins():
+    """A prompt nobody holds, no queues: the replica whose free pages hold no cached block ranks
+    first; a replica holding the prefix still beats an emptier one."""
+    hint = prompt_hint()
+    ranked = order([replica("a", empty=10), replica("b", empty=300), replica("c", empty=50)], hint)
+    assert ranked == ["b", "c", "a"]
+    assert order([replica("empty", empty=1000), replica("warm", holding(hint, 30), empty=0)], hint)[0] == "warm"
+    assert order([replica("empty", empty=1000), replica("idle", empty=0)], hint, queue={"empty": 1}) == [
+        "idle", "empty"]  # load still counts first
+
+
+@settings(max_examples=60, deadline=None)
+@given(num_replicas=st.integers(2, 5), num_conversations=st.integers(1, 40),
+       lengths=st.lists(st.integers(1, 40), min_size=40, max_size=40))
+def test_new_conversations_spread_by_cache_footprint(num_replicas, num_conversations, lengths):
+    """Conversations arrive one at a time (low load), each a prompt no replica holds, of
+    ``lengths[c]`` blocks that stay cached where it ran. Every placement goes to a replica with
+    the fewest cached pages, so no replica caches more than another by more than one prompt
+    (a random spread overfills one cache while another stands empty)."""
+    pages = 1000
+    cached = {f"r{i}": 0 for i in range(num_replicas)}
+    for c in range(num_conversations):
+        hint = prompt_hint(num_tokens=lengths[c] * B, seed=c + 1)
+        replicas = [replica(n, empty=pages - used) for n, used in cached.items()]
+        first = order(replicas, hint)[0]
+        assert cached[first] == min(cached.values())
+        cached[first] += lengths[c]
+    assert max(cached.values()) - min(cached.values()) <= max(lengths[:num_conversations])

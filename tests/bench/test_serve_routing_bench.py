@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ray.serve.config import RequestRouterConfig
 
-from bench.serve.cli import parse_args
+from bench.serve.cli import parse_args, watchdog_s
 from bench.serve.client import RequestResult
-from bench.serve.routing import routing_figures, worker_options
+from bench.serve.routing import app_overrides, routing_figures, worker_options
 
 
 def result(index: int, ttft_s: float) -> RequestResult:
@@ -32,3 +32,18 @@ def test_figures_compare_the_context_hit_rates_and_ttft():
     assert figures["hit_rate_kv"] == 0.85
     assert abs(figures["hit_rate_kv_over_default"] - 0.85 / 0.4) < 1e-9
     assert abs(figures["ttft_p50_default_over_kv"] - 2.0) < 1e-9
+
+
+def test_cache_pressure_sets_every_workers_pages_in_both_modes():
+    args = parse_args(["--workload", "shared-prefix", "--context-replicas", "3", "--num-pages", "160",
+                       "--conversations", "9"])
+    assert app_overrides(args) == {m: {"local_prefill_max_tokens": 0, "num_pages": 160} for m in ("kv", "default")}
+    assert args.conversations == 9
+    plain = app_overrides(parse_args(["--workload", "shared-prefix", "--context-replicas", "3"]))
+    assert plain == {m: {"local_prefill_max_tokens": 0} for m in ("kv", "default")}
+
+
+def test_the_watchdog_outlasts_a_long_run():
+    assert watchdog_s(parse_args(["--workload", "shared-prefix", "--context-replicas", "3"])) == 900.0
+    long = parse_args(["--workload", "shared-prefix", "--context-replicas", "3", "--max-seconds", "1800"])
+    assert watchdog_s(long) == 2100.0

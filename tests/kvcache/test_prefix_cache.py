@@ -177,6 +177,10 @@ def test_first_copy_keeps_the_name():
     pool = manager.pools["full"]
     assert all(pool.is_evictable(p) for p in a_pages) and all(pool.is_free(p) for p in b_pages)
     assert manager.num_cached_blocks() == 2 and manager.num_free_pages() == 8
+    assert manager.num_empty_pages() == 6                 # a's two pages still hold their blocks
+    assert manager.num_empty_pages() == 8 - len(a_pages)
+    manager.allocate("c", 28)                             # 7 pages: the 6 empty ones, then evict a's oldest
+    assert manager.num_empty_pages() == 0 and manager.num_cached_blocks() == 1
 
 
 def test_can_allocate_counts_fresh_pages_and_pinned_evictable_hits():
