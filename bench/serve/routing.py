@@ -102,9 +102,12 @@ def routing_compare(args: argparse.Namespace) -> dict:
 
 def print_routing(figures: dict) -> None:
     rows = [[f"{mode} router", m["ttft_ms"]["p50"], m["ttft_ms"]["p99"], m["hit_rate"].get("context"),
-             m["hit_rate"].get("generation"), m["num_failed"]] for mode, m in figures["modes"].items()]
+             m["hit_rate"].get("generation"), m["cached_prompt_fraction"], m["num_failed"]]
+            for mode, m in figures["modes"].items()]
+    # "cached (usage)": the responses' cached_tokens / prompt_tokens, a cross-check of the /metrics
+    # deltas (which a replaced replica, its counters restarting from 0, would skew).
     print_table("shared-prefix chats, routing", ["router", "TTFT p50 ms", "TTFT p99 ms", "hit rate context",
-                                                 "hit rate generation", "failed"], rows)
+                                                 "hit rate generation", "cached (usage)", "failed"], rows)
     for name, target in figures["targets"].items():
         value = figures[name]
         verdict = "n/a" if value is None else ("met" if value >= target else "NOT met")
