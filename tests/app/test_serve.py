@@ -219,6 +219,8 @@ def test_metrics_show_pages_of_every_worker(disagg_url):
     assert sorted(role for _, role in free) == ["context", "generation"]
     assert all(worker.startswith(("ContextWorker#", "GenerationWorker#")) for worker, _ in free)
     assert set(free.values()) == {2 * 128}  # two layer groups (sliding, full) of num_pages each
+    empty = metric_samples(disagg_url, "windserve_kv_pages_empty")  # free and holding no cached block
+    assert set(empty) == set(free) and all(0 <= empty[key] <= free[key] for key in free)
     moved = metric_samples(disagg_url, "windserve_kv_transfer_bytes_total")
     assert [role for _, role in moved] == ["generation"] and sum(moved.values()) > 0
     proposed = metric_samples(disagg_url, "windserve_spec_draft_tokens_proposed_total")
