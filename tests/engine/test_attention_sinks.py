@@ -30,3 +30,16 @@ def test_sink_attention_matches_written_out_softmax(num_req, num_q, num_k):
     sinks = torch.tensor([-1.0, 0.0, 2.0, 8.0])  # a large sink takes most of the mass
     out = attend(q, k, v, mask, 0.3, sinks)
     torch.testing.assert_close(out, reference(q, k, v, mask, 0.3, sinks), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 2), (6, 2), (4, 4)])
+def test_decode_attention_matches_written_out_softmax(num_heads, num_kv_heads):
+    """One query per request (a decode bucket): grouped heads are folded into one KV head's rows."""
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    q = torch.randn(5, 1, num_heads, 8, generator=gen)
+    k, v = (torch.randn(5, 24, num_kv_heads, 8, generator=gen) for _ in range(2))
+    key_lens = torch.tensor([24, 3, 17, 1, 9])
+    mask = (torch.arange(24)[None] < key_lens[:, None])[:, None]  # [R, 1, K]
+    no_sinks = torch.full((num_heads,), float("-inf"))
+    out = attend(q, k, v, mask, 0.3)
+    torch.testing.assert_close(out, reference(q, k, v, mask, 0.3, no_sinks), rtol=1e-5, atol=1e-6)

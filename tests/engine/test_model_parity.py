@@ -118,6 +118,16 @@ def test_decode_steps_share_one_bucket():
     assert len(plan_buckets([1] * 31 + [2048], [500] * 31 + [2048])) == 2
 
 
+def test_decodes_of_spread_lengths_split_into_buckets_of_similar_keys():
+    key_lens = [64 + 16 * (r % 14) for r in range(32)]  # 64 .. 272 keys, as 32 chat decodes
+    buckets = plan_buckets([1] * 32, key_lens)
+    assert len(buckets) > 1
+    bounds = [(min(key_lens[r] for r in b), max(key_lens[r] for r in b)) for b in buckets]
+    assert all(high < low for (_, high), (low, _) in zip(bounds, bounds[1:]))  # shortest keys first, no overlap
+    padded = sum(len(b) * max(key_lens[r] for r in b) for b in buckets)
+    assert padded < 1.3 * sum(key_lens)
+
+
 def test_unbound_ordinal_inside_window_is_an_error():
     _, ours, config = load_pair("mistral")
     cache = PagedKV.for_config(config, 4)
