@@ -68,22 +68,21 @@ class KVCacheManager:
         self._requests: dict[str, RequestBlocks] = {}
 
     # -- queries ---------------------------------------------------------
+    def _count(self, attribute: str, group: str | None) -> int:
+        """A pool count of ``group``, or summed over every group when ``group`` is None."""
+        pools = self.pools.values() if group is None else (self.pools[group],)
+        return sum(getattr(pool, attribute) for pool in pools)
+
     def num_free_pages(self, group: str | None = None) -> int:
         """Pages an allocation can take: free ones and evictable cached ones."""
-        if group is not None:
-            return self.pools[group].num_free
-        return sum(pool.num_free for pool in self.pools.values())
+        return self._count("num_free", group)
 
     def num_empty_pages(self, group: str | None = None) -> int:
         """Free pages that hold no cached block: an allocation this size evicts nothing."""
-        if group is not None:
-            return self.pools[group].num_empty
-        return sum(pool.num_empty for pool in self.pools.values())
+        return self._count("num_empty", group)
 
     def num_total_pages(self, group: str | None = None) -> int:
-        if group is not None:
-            return self.pools[group].num_pages
-        return sum(pool.num_pages for pool in self.pools.values())
+        return self._count("num_pages", group)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -105,9 +104,7 @@ class KVCacheManager:
 
     def num_cached_blocks(self, group: str | None = None) -> int:
         """Blocks the prefix cache can name, owned or evictable."""
-        if group is not None:
-            return self.pools[group].num_cached
-        return sum(pool.num_cached for pool in self.pools.values())
+        return self._count("num_cached", group)
 
     def cached_block_hashes(self, group: str) -> KeysView[bytes]:
         """Names of the blocks cached in ``group`` (a live view: copy it to keep it)."""
