@@ -136,8 +136,12 @@ def replica_actors(deployment: str, states: tuple[str, ...] = ("ALIVE",)) -> lis
 
 def kill_replica(deployment: str) -> ReplicaActor:
     (victim, *_) = replica_actors(deployment)
-    ray.kill(ray.get_actor(victim.name, namespace=victim.namespace), no_restart=True)
+    kill(victim)
     return victim
+
+
+def kill(victim: ReplicaActor) -> None:
+    ray.kill(ray.get_actor(victim.name, namespace=victim.namespace), no_restart=True)
 
 
 def rss_kib(pid: int) -> int:

@@ -29,6 +29,7 @@ from tests.reliability.conftest import (
     Service,
     completes,
     completion_body,
+    kill,
     kill_replica,
     pages_in_use,
     record,
@@ -152,37 +153,50 @@ class KillOutcome:
     outcomes: list[tuple[str, float]]  # per request, as run_one
     had_token_0: list[bool]  # per request, streamed ones: whether its first token had arrived at the kill
     victim: str
-    seen: dict  # the context replica's stats when a prefill was seen in progress
+    seen: dict  # the context replica's stats just before the kill
+    seen_to_kill_s: float  # from that stats reply to the kill
+
+
+# Requests the context replica's engine must hold (running or waiting) for the kill: then at least
+# one of them is inside the replica, not in Serve's router. Serve itself re-routes a request still
+# waiting there for a slot on the dead replica; only a request the replica accepted falls back.
+# A 308-token prompt takes 39 of its 48 pages, so the second waits for the first's lease to end.
+IN_ENGINE_AT_KILL = 2
 
 
 async def kill_context_during_prefill(service: Service, num_requests: int) -> KillOutcome:
     bodies = [completion_body(LONG_PROMPT + str(i), max_tokens=16, stream=True, logprobs=1)
               for i in range(num_requests)]
     token_0_at: list[list[float]] = [[] for _ in bodies]
+    (victim, *_) = replica_actors("ContextWorker")  # resolved first: nothing slow between the look and the kill
     async with service.async_client(timeout_s=MAX_TIME_TO_ERROR_S + 30) as http:
         tasks = [asyncio.create_task(run_one(http, body, at)) for body, at in zip(bodies, token_0_at)]
 
-        def prefilling() -> dict | None:
+        def in_engine() -> dict | None:
             stats = worker_stats("ContextWorker")
-            return stats if stats["num_running"] + stats["num_waiting"] > 0 else None
+            return stats if stats["num_running"] + stats["num_waiting"] >= IN_ENGINE_AT_KILL else None
 
         seen = None
         for _ in range(200):  # 10 s at most
-            seen = await asyncio.to_thread(prefilling)
+            seen = await asyncio.to_thread(in_engine)
             if seen or all(t.done() for t in tasks):
                 break
             await asyncio.sleep(0.05)
-        assert seen, "no prefill was ever seen in progress"
-        victim = await asyncio.to_thread(kill_replica, "ContextWorker")
+        assert seen, f"the context replica never held {IN_ENGINE_AT_KILL} requests at once"
+        seen_at = time.monotonic()
+        kill(victim)
+        seen_to_kill_s = time.monotonic() - seen_at
         had_token_0 = [bool(at) for at in token_0_at]
         outcomes = await asyncio.gather(*tasks)
-    return KillOutcome(outcomes, had_token_0, victim.name, seen)
+    return KillOutcome(outcomes, had_token_0, victim.name, seen, seen_to_kill_s)
 
 
 def test_context_replica_killed_during_prefill(service: Service):
-    """Every request completes. Those still without token 0 at the kill fall back to a prefill on
-    the generation replica (the ingress); those whose token 0 went out and whose KV was in flight
-    when the context replica died are the generation worker's to prefill itself."""
+    """Every request completes. Those the dead replica had accepted, without token 0, fall back to
+    a prefill on the generation replica (the ingress's fallback: at least one, as the kill waits
+    for two inside its engine); those still waiting in Serve's router for a slot there go to the
+    replacement; those whose token 0 went out and whose KV was in flight are the generation
+    worker's to prefill itself."""
     assert wait_serving(service)
     fallbacks_before = context_fallbacks(service)
     killed = asyncio.run(kill_context_during_prefill(service, MAX_QUEUE - 4))
@@ -196,7 +210,8 @@ def test_context_replica_killed_during_prefill(service: Service):
     max_s = max(seconds for _, seconds in killed.outcomes)
     record("kill_context_during_prefill", requests=len(kinds), ok=kinds.count("ok"),
            without_token_0_at_kill=without_token_0, failed=failed, context_fallbacks=fallbacks,
-           max_request_s=round(max_s, 2), in_prefill_at_kill=killed.seen["num_running"] + killed.seen["num_waiting"])
+           max_request_s=round(max_s, 2), in_engine_at_kill=killed.seen["num_running"] + killed.seen["num_waiting"],
+           seen_to_kill_ms=round(1000 * killed.seen_to_kill_s, 1))
     assert not [k for k in kinds if k == "hang" or k.startswith("bad")], kinds
     assert kinds == ["ok"] * len(kinds), (failed, kinds)
     assert fallbacks >= 1
