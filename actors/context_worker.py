@@ -46,6 +46,7 @@ class ContextWorker(KVWorker):
         self.control.on(Extend, self._on_extend)
         self.control.on(Release, self._on_release)
         self._reaper = BackgroundTask(self._reap_forever)
+        self.num_prefills = 0  # prefill calls this replica took up, cumulative
 
     async def start(self) -> None:
         """Also reap lapsed leases."""
@@ -59,6 +60,7 @@ class ContextWorker(KVWorker):
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Prefilled:
         """Prefill and sample the first token; hold the prompt's pages under a lease unless
         the first token already ends the request (then they are freed at once)."""
+        self.num_prefills += 1
         parked = await self.loop.prefill(request_id, prompt_token_ids, params)
         result = parked.prefill
         first = dataclasses.replace(parked, finish_reason=result.finish_reason, prefill=None)
@@ -109,4 +111,5 @@ class ContextWorker(KVWorker):
             await self.reap_expired()
 
     async def stats(self) -> dict:
-        return {**await super().stats(), "num_leases": len(self.leases), "num_claimed_leases": self.leases.num_claimed}
+        return {**await super().stats(), "num_leases": len(self.leases), "num_claimed_leases": self.leases.num_claimed,
+                "num_prefills": self.num_prefills}
