@@ -34,7 +34,7 @@ def handoff_len(tokenizer, prompt, outputs):
 
 
 def crosses_a_block(prompt, k):
-    """The handed-over outputs' KV reaches into a block the prompt alone does not."""
+    """The handed-over outputs' KV fills a block the prompt alone leaves partial (its name covers outputs)."""
     return (len(prompt) + k - 1) // B > len(prompt) // B
 
 
