@@ -11,22 +11,23 @@ import torch
 
 from actors.leases import LeaseDenied
 from actors.peers import PeerNotFoundError, lookup
-from app.serve_backend import without_first_token
 from bench.common import start_ray
 from engine import SamplingParams
 from kvcache import slice_range
 from tests.actors.disagg_helpers import (
     RemoteContext,
     RemoteGeneration,
+    client_stream,
     disagg_request,
     free_pages,
+    held_back_prompts,
     prompts_sharing_prefixes,
     random_prompts,
     started,
     worker_config,
 )
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
-from tests.engine.test_handoff import CANDIDATES, crosses_a_block, handoff_len
+from tests.engine.test_handoff import CANDIDATES
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -87,25 +88,6 @@ def test_seeded_sampling_disaggregated_equals_aggregated(ray_session, tiny_model
         assert tokens == expected[f"r{i}"]
 
 
-def held_back_prompts(tiny_model, params, n: int = 4):
-    """Prompts whose token 0 is held back (half a character), with their aggregated tokens and
-    logprobs, each run alone: found by search, those whose handoff fills a new block first."""
-    aggregated = make_engine(tiny_model, tokens_per_block=8)
-    found = []
-    for r, prompt in enumerate(CANDIDATES):
-        aggregated.add_request(f"r{r}", prompt, params)
-        tokens, logprobs = [], []
-        while aggregated.has_unfinished():
-            for update in aggregated.step():
-                tokens += update.new_token_ids
-                logprobs += update.logprobs or []
-        k, _ = handoff_len(tiny_model.tokenizer, prompt, tokens)
-        if k > 1:
-            found.append((not crosses_a_block(prompt, k), prompt, k, tokens, logprobs))
-    assert len(found) >= 2, "no prompt with a held-back token 0 among the candidates"
-    return [case[1:] for case in sorted(found, key=lambda case: case[0])[:n]]
-
-
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2),
     SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=2),
@@ -121,12 +103,7 @@ def test_a_held_back_token_0_hands_over_k_outputs_and_the_stream_equals_aggregat
 
     async def one(i, prompt):
         prefilled = await ctx.prefill.remote(f"h{i}", prompt, params)
-        stream, first = [prefilled.first], prefilled.first
-        async for ref in gen.generate.remote(prefilled.kv, prompt, params):
-            update = await ref
-            stream.append(without_first_token(first, update) if first is not None else update)
-            first = None
-        return prefilled, stream
+        return prefilled, await client_stream(gen, prefilled, prompt, params)
 
     async def main():
         results = [await one(i, case[0]) for i, case in enumerate(cases)]
