@@ -1,12 +1,14 @@
 """Context (prefill) worker: prefills prompts and holds their pages under a lease.
 
-    prefill(request) ──► EngineLoop.prefill ──► the parked update: first token, pages parked
-                     ├─ the first token ends the request (max_tokens=1, EOS, stop) ──► pages freed
+    prefill(request) ──► EngineLoop.prefill ──► the parked update: k outputs, pages parked
+                     ├─ an output ends the request (max_tokens, EOS, stop) ──► pages freed
                      │      ──► Prefilled(first, kv=None): no generation worker needed
                      └─ else ──► lease granted ──► Prefilled(first, KVHandle (ids, ordinals, lengths))
 
-``first`` is the update an aggregated engine emits for the first token; the
-ingress streams it to the client while the generation worker pulls the KV.
+The engine hands over at the first output with visible text (``engine.handoff``:
+k outputs, usually 1, at most ``HANDOFF_MAX_TOKENS``); ``first`` carries them in
+one update, which the ingress streams to the client while the generation worker
+pulls the KV of ``num_kv_tokens = P + k - 1`` positions.
 
 A generation worker then, over control messages (``actors.control``):
 ``Claim`` (the lease must be live; it cannot expire under the transfer),
@@ -58,8 +60,8 @@ class ContextWorker(KVWorker):
         await super().shutdown()
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Prefilled:
-        """Prefill and sample the first token; hold the prompt's pages under a lease unless
-        the first token already ends the request (then they are freed at once)."""
+        """Prefill and sample up to the handoff; hold the pages under a lease unless an
+        output already ends the request (then they are freed at once)."""
         self.num_prefills += 1
         parked = await self.loop.prefill(request_id, prompt_token_ids, params)
         result = parked.prefill
@@ -67,14 +69,14 @@ class ContextWorker(KVWorker):
         kv = self._lease(result)  # no await in between: a cancellation cannot strand parked pages
         if result.finish_reason is None:
             return Prefilled(first, kv)
-        await asyncio.shield(self._free(request_id, "finished at its first token"))  # freed even if we are cancelled
+        await asyncio.shield(self._free(request_id, "finished within its handoff"))  # freed even if we are cancelled
         return Prefilled(first, None)
 
     def _lease(self, result: PrefillResult) -> KVHandle:
         deadline = self.leases.grant(result.request_id)
         tokens_per_block = self.engine.manager.spec.tokens_per_block
-        return KVHandle(self.agent_name, result.request_id, result.num_prompt_tokens, result.first_token_id,
-                        result.block_ordinals, deadline, tokens_per_block, result.first_logprob,
+        return KVHandle(self.agent_name, result.request_id, result.num_prompt_tokens, result.output_token_ids,
+                        result.block_ordinals, deadline, tokens_per_block, result.output_logprobs,
                         result.num_cached_tokens)
 
     async def abort(self, request_id: str) -> bool:

@@ -59,11 +59,11 @@ class EngineLoop:
             yield update
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestUpdate:
-        """Prefill a prompt to its first token; the request stays parked with its pages until ``abort``.
+        """Prefill a prompt to its handoff; the request stays parked with its pages until ``abort``.
 
-        Returns the parked update: the first token's update, whose ``prefill`` is the
-        ``PrefillResult``. Raises RuntimeError (with the engine's error text) if it fails
-        or is aborted first.
+        Returns the parked update, the request's only one (the engine reports nothing
+        before the handoff): its k outputs, and ``prefill``, the ``PrefillResult``.
+        Raises RuntimeError (with the engine's error text) if it fails or is aborted first.
         """
         queue = await self._add(self.engine.prefill, request_id, prompt_token_ids, params)
         last = None

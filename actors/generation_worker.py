@@ -1,10 +1,10 @@
-"""Generation (decode) worker: receives a prompt's windowed KV slice and decodes.
+"""Generation (decode) worker: receives a request's windowed KV slice and decodes.
 
-    generate(handle) ─► reserve capacity (get_kv_capacity_tokens, via the engine;
-                        blocks our prefix cache holds are bound from it)
+    generate(handle) ─► reserve num_kv_tokens (the prompt and the handed-over outputs but the
+                        last, ``engine.handoff``; blocks our prefix cache holds are bound from it)
                      ─► Claim the context lease ─► plan_pull per group ─► coalesce
                      ─► transport.read (pull) ─► Release the context pages
-                     ─► add to the engine ─► decode with continuous batching + drafts, streaming updates
+                     ─► add_prefilled (all k outputs) ─► decode with continuous batching + drafts, streaming
     generate_local(request) ─► the engine prefills and decodes it here: no context hop, no transfer
                                (the ingress sends a prompt whose uncached part is short)
 
@@ -22,15 +22,16 @@ Fallback. When the handoff fails because the context side is unavailable
 (``ContextUnavailable``: its Claim is refused, as after a lapsed lease, or
 unanswered within ``claim_timeout_s``; its record is gone; a read from it
 fails or times out), the request is not lost: after that cleanup it runs
-here as a local prefill that keeps the first token the context side already
-sampled (``add_request(first_token=...)``), so the caller's stream is the one
-a transfer gives. A peer that did not answer is forgotten (its metadata and
-connection dropped) once no other handoff uses it. Other failures (a prompt
+here as a local prefill that keeps the k outputs the context side already
+sampled and sent (``engine.resume``: its first update carries them all, as
+``add_prefilled``'s does), so the caller's stream is the one a transfer gives.
+A peer that did not answer is forgotten (its metadata and connection dropped)
+once no other handoff uses it. Other failures (a prompt
 that does not match the handle or is too long, no free pages in time, a
 cancel, a rejected read) fail the request as before::
 
     claim / pull fails ─► cleanup (no read in flight, our pages freed, Release told)
-                       ─► forget the peer (unless it answered) ─► local prefill, first token given
+                       ─► forget the peer (unless it answered) ─► local prefill, the k outputs given
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from actors.peers import PeerNotFoundError, lookup
 from actors.transport import PageRun, PeerUnreachable, ReadStats, coalesce
 from actors.worker_base import KVWorker
 from engine import RequestUpdate, SamplingParams
+from engine.handoff import kv_token_ids
 from kvcache import plan_pull
 
 log = logging.getLogger(__name__)
@@ -103,13 +105,13 @@ class GenerationWorker(KVWorker):
         async with self._handoff(handle) as handoff:
             await self._transfer(handoff, handle, prompt_token_ids)  # reserve, claim, pull, release
             queue = self.loop.watch(rid)
-            updates = await self.loop.call(self.engine.add_prefilled, rid, prompt_token_ids, handle.first_token_id,
-                                           params, handle.first_logprob, handle.num_cached_tokens)
+            updates = await self.loop.call(self.engine.add_prefilled, rid, prompt_token_ids, handle.output_token_ids,
+                                           params, handle.output_logprobs, handle.num_cached_tokens)
         return queue, updates
 
     async def _fall_back(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams,
                          lost: ContextUnavailable) -> tuple[asyncio.Queue[RequestUpdate], list[RequestUpdate]]:
-        """Prefill here, keeping the context side's first token (the handoff is already undone)."""
+        """Prefill here, keeping the context side's k outputs (the handoff is already undone)."""
         rid, agent = handle.request_id, handle.context_agent
         log.warning("request %s: context side %s unavailable (%s); prefilling here", rid, agent, lost)
         self.num_transfer_fallbacks += 1
@@ -117,8 +119,8 @@ class GenerationWorker(KVWorker):
             self.peers.forget(agent)
         queue = self.loop.watch(rid)
         try:
-            await self.loop.call(self.engine.add_request, rid, prompt_token_ids, params,
-                                 first_token=(handle.first_token_id, handle.first_logprob))
+            await self.loop.call(self.engine.resume, rid, prompt_token_ids, handle.output_token_ids, params,
+                                 handle.output_logprobs)
         except BaseException:
             self.loop.unwatch(rid)
             await asyncio.shield(self.loop.call(self.engine.abort, rid))
@@ -186,7 +188,7 @@ class GenerationWorker(KVWorker):
             raise TransferFailed(f"request {handle.request_id!r}: handle says {handle.prompt_len} prompt tokens, "
                                  f"got {len(prompt_token_ids)}")
         await self.loop.call(self.engine.check_prompt, handle.prompt_len)
-        await self._reserve(handle, prompt_token_ids)
+        await self._reserve(handle, kv_token_ids(prompt_token_ids, handle.output_token_ids))
         await self._claim(handle)
         stats = await self._pull(handoff, handle)
         self._release_context(handle)
@@ -218,11 +220,11 @@ class GenerationWorker(KVWorker):
         except Exception:
             pass  # the context worker is gone; its pages went with it
 
-    async def _reserve(self, handle: KVHandle, prompt_token_ids: list[int]) -> None:
-        """Bind pages for the prompt, cached blocks from our cache; while the cache is full,
-        extend the context lease and wait."""
+    async def _reserve(self, handle: KVHandle, kv_token_ids: list[int]) -> None:
+        """Bind pages for the tokens whose KV travels, cached blocks from our cache; while the
+        cache is full, extend the context lease and wait."""
         deadline = time.monotonic() + self.config.reserve_timeout_s
-        while not await self.loop.call(self.engine.reserve_prefilled, handle.request_id, prompt_token_ids):
+        while not await self.loop.call(self.engine.reserve_prefilled, handle.request_id, kv_token_ids):
             if time.monotonic() > deadline:
                 raise TransferFailed(f"no free KV pages for request {handle.request_id!r} "
                                      f"within {self.config.reserve_timeout_s}s")
@@ -235,7 +237,7 @@ class GenerationWorker(KVWorker):
         runs, num_bytes = [], 0
         for group in manager.spec.groups:
             pairs = plan_pull(handle.block_ordinals[group.name], manager.get_block_ordinals(rid, group.name),
-                              manager.get_cached_ordinals(rid, group.name), handle.prompt_len, group.window,
+                              manager.get_cached_ordinals(rid, group.name), handle.num_kv_tokens, group.window,
                               manager.spec.tokens_per_block)
             runs += coalesce([(src, dst) for _, src, dst in pairs], group.name)
             num_bytes += len(pairs) * manager.storage.page_nbytes(group.name)

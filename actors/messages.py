@@ -1,6 +1,6 @@
 """Small typed messages between workers, and the one codec of the control messages.
 
-No KV data crosses the control plane. ``Prefilled`` (the first token's update
+No KV data crosses the control plane. ``Prefilled`` (the handed-over outputs' update
 and a ``KVHandle``) travels over Ray (Serve handles pickle it); the control messages travel between transport agents
 (``actors.control``) as JSON, one object per message::
 
@@ -27,12 +27,15 @@ from engine.outputs import RequestUpdate, TokenLogprob
 
 @dataclass(frozen=True)
 class KVHandle:
-    """Where a prefilled prompt's KV lives, and for how long it is held.
+    """Where a prefilled request's KV lives, and for how long it is held.
 
-    ``block_ordinals[group]`` is the context side's table for the request
-    (entry ``i`` = page holding positions ``[i*B, (i+1)*B)``, -1 where none).
+    ``output_token_ids``: the k >= 1 outputs the context side handed over
+    (``engine.handoff``); KV exists for ``num_kv_tokens = prompt_len + k - 1``
+    positions (the prompt and all outputs but the last). ``block_ordinals[group]``
+    is the context side's table for the request (entry ``i`` = page holding
+    positions ``[i*B, (i+1)*B)``, -1 where none).
     ``lease_deadline`` is wall-clock seconds (``time.time()``).
-    ``first_logprob``: the first token's logprob when the request asked for logprobs.
+    ``output_logprobs``: one per output when the request asked for logprobs, else None.
     ``num_cached_tokens``: the context side's prefix-cache hit (prompt tokens it did not
     compute), reported in usage as the aggregated path reports it.
     """
@@ -40,40 +43,51 @@ class KVHandle:
     context_agent: str
     request_id: str
     prompt_len: int
-    first_token_id: int
+    output_token_ids: list[int]
     block_ordinals: dict[str, list[int]]
     lease_deadline: float
     tokens_per_block: int
-    first_logprob: TokenLogprob | None = None
+    output_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:
             raise ValueError(f"prompt_len must be >= 1, got {self.prompt_len}")
+        if not self.output_token_ids:
+            raise ValueError("a handoff carries at least one output token")
+        if self.output_logprobs is not None and len(self.output_logprobs) != len(self.output_token_ids):
+            raise ValueError(f"{len(self.output_logprobs)} logprobs for {len(self.output_token_ids)} output tokens")
         if not 0 <= self.num_cached_tokens < self.prompt_len:
             raise ValueError(f"num_cached_tokens must be in [0, {self.prompt_len}), got {self.num_cached_tokens}")
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Positions whose KV the context side holds for the transfer: ``[0, prompt_len + k - 1)``."""
+        return self.prompt_len + len(self.output_token_ids) - 1
 
 
 @dataclass(frozen=True)
 class Prefilled:
-    """What a context worker's prefill returns: the first token, to stream at once, and its KV.
+    """What a context worker's prefill returns: the handed-over outputs, to stream at once, and their KV.
 
-    ``first`` is exactly the update an aggregated engine emits for the first
-    token (its text held back as far as a stop string could still match, its
-    ``finish_reason`` set when the first token ends the request). ``kv`` is
-    where the prompt's pages are held under a lease, or None when the first
-    token ended the request: then nothing is held and no generation worker is
-    needed.
+    ``first`` carries the k outputs (``engine.handoff``) in one update, with the
+    text an aggregated engine streams for them (held back as far as a stop
+    string could still match), its ``finish_reason`` set when an output ends
+    the request. ``kv`` is where the pages are held under a lease, or None when
+    the request ended: then nothing is held and no generation worker is needed.
     """
 
     first: RequestUpdate
     kv: KVHandle | None
 
     def __post_init__(self) -> None:
-        if self.first.prefill is not None or self.first.num_output_tokens != 1:
-            raise ValueError(f"first must be the update of one sampled token, got {self.first!r}")
-        if self.first.is_finished != (self.kv is None):
-            raise ValueError("kv must be None exactly when the first token finishes the request")
+        first = self.first
+        if first.prefill is not None or not 1 <= first.num_output_tokens == len(first.new_token_ids):
+            raise ValueError(f"first must be the one update of a request's first outputs, got {first!r}")
+        if first.is_finished != (self.kv is None):
+            raise ValueError("kv must be None exactly when the handed-over outputs finish the request")
+        if self.kv is not None and self.kv.output_token_ids != first.new_token_ids:
+            raise ValueError(f"kv carries outputs {self.kv.output_token_ids}, first {first.new_token_ids}")
 
     @property
     def is_finished(self) -> bool:

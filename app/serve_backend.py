@@ -7,12 +7,12 @@
     disagg:
 
       ingress                         context replica              generation replica
-        │ prefill(request_id, ...) ──────►│ prefill, sample token 0
-        │◄── Prefilled(first, kv) ────────┤ pages under a lease (kv=None: token 0 ended it, pages freed)
+        │ prefill(request_id, ...) ──────►│ prefill, sample t0 .. t(k-1): up to the first visible text
+        │◄── Prefilled(first, kv) ────────┤ pages under a lease (kv=None: an output ended it, pages freed)
         │ kv=None: yield first, done      │
         │ generate(kv, ...) ─────────────────────────────────────────►│ reserve, claim, pull, release
-        │ yield first  (token 0 out while the KV moves)               │ add_prefilled: token 0 again
-        │◄── update 0: token 0 again: only its finish/error pass ─────┤
+        │ yield first  (t0..t(k-1) out while the KV moves)            │ add_prefilled: t0..t(k-1) again
+        │◄── update 0: the k outputs again: only the rest passes ─────┤
         │◄── updates 1.. as they are ─────────────────────────────────┤ decode
 
       the context replica unavailable before token 0 (it died, its actor is gone, Serve has
@@ -67,17 +67,19 @@ def is_unavailable(exc: BaseException) -> bool:
 
 
 def without_first_token(first: RequestUpdate, update: RequestUpdate) -> RequestUpdate:
-    """The generation stream's first update less the token 0 the context side already sent.
+    """The generation stream's first update less the k outputs the context side already sent.
 
-    ``add_prefilled`` advances the generation engine with token 0, so its first
-    update repeats it: same id, logprob, and text (held back alike). Only what
-    follows passes on: its finish or error, and text a finish flushed past ``first``'s.
+    ``add_prefilled`` (or, after a failed transfer, ``resume``) advances the generation
+    engine with those k outputs, so its first update repeats them: same ids, logprobs,
+    and text (held back alike). Only what follows passes on: later tokens, its finish
+    or error, and text a finish flushed past ``first``'s.
     """
-    if update.new_token_ids[:1] != first.new_token_ids:
+    k = len(first.new_token_ids)
+    if update.new_token_ids[:k] != first.new_token_ids:
         return update
     text = update.new_text[len(first.new_text):] if update.new_text.startswith(first.new_text) else ""
-    logprobs = update.logprobs[1:] if update.logprobs is not None else None
-    return dataclasses.replace(update, new_token_ids=update.new_token_ids[1:], new_text=text, logprobs=logprobs)
+    logprobs = update.logprobs[k:] if update.logprobs is not None else None
+    return dataclasses.replace(update, new_token_ids=update.new_token_ids[k:], new_text=text, logprobs=logprobs)
 
 
 def _cancel_opening(opening: asyncio.Task) -> None:
@@ -90,15 +92,16 @@ def _cancel_opening(opening: asyncio.Task) -> None:
 
 async def relay(stream: DeploymentResponseGenerator, spliced_onto: RequestUpdate | None = None
                 ) -> AsyncIterator[RequestUpdate]:
-    """Yield the stream's updates, the first of them spliced onto ``spliced_onto`` (token 0, which
-    the caller already sent); the stream's call is cancelled if the consumer leaves before its finish."""
+    """Yield the stream's updates, the first of them spliced onto ``spliced_onto`` (the handed-over
+    outputs, which the caller already sent); the stream's call is cancelled if the consumer leaves
+    before its finish."""
     is_finished, first = False, spliced_onto
     try:
         async for update in stream:
             if first is not None:
                 update, first = without_first_token(first, update), None
                 if not (update.new_token_ids or update.new_text or update.is_finished):
-                    continue  # nothing but token 0 again
+                    continue  # nothing but the handed-over outputs again
             is_finished = update.is_finished
             yield update
     finally:

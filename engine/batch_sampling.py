@@ -4,14 +4,15 @@ Draws depend on (seed, output index) only: ``seed_for_output`` reseeds a
 request's generator before each draw, so the same seeded request gives the
 same tokens whichever worker samples which token, and after a preemption.
 
-A request whose first token is given (``Request.first_token``: a local
-prefill of a prompt another worker already sampled) still draws at its
-prefill step, so the draw for output 0 happens as it did there, then keeps
-the given token and logprob in place of the drawn ones::
+A request resumed with outputs given (``Request.given_outputs``: the
+generation side's fallback, a local prefill of a prompt whose first k outputs
+the context side already sampled and sent) still draws at each of those steps,
+so its draws happen as they did there, then keeps the given token and logprob
+in place of the drawn ones::
 
-    output index    0                  1        2   ...
-    context side    draw -> t0 (sent)
-    this worker     draw, keep t0      draw     draw        (same seeds: same t1, t2, ...)
+    output index    0 .. k-1                          k        k+1 ...
+    context side    draw -> t0 .. t(k-1) (sent)
+    this worker     draw, keep t0 .. t(k-1)           draw     draw     (same seeds: same tokens)
 """
 
 from __future__ import annotations

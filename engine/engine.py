@@ -11,11 +11,13 @@ As nano-vllm's ``step``: schedule, run, postprocess; ``_advance`` is the one
 place a request ends, and ``abort`` the one way in from outside.
 
 Disaggregation has two entry points. The context side's ``prefill`` runs a
-prompt to its first token and parks it (``Scheduler.park``): its pages stay
-bound, and its last update carries a ``PrefillResult`` (first token, block
+prompt to its handoff (``engine.handoff``: its first output with visible text,
+at most ``HANDOFF_MAX_TOKENS``) and parks it (``Scheduler.park``): its pages stay
+bound, and its one update carries a ``PrefillResult`` (the k outputs, block
 ordinals); ``abort`` frees them once the KV has been sent or the lease lapsed.
 The generation side's ``reserve_prefilled`` + ``add_prefilled`` start a
-request whose prompt KV a transport has written into its pages.
+request whose KV (``num_kv_tokens``) a transport has written into its pages;
+``resume`` starts one whose KV must be recomputed here.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from engine.batch_sampling import sample_batch, seed_for_output
 from engine.config import EngineConfig, max_model_len
 from engine.draft_policy import DraftLengthPolicy
 from engine.drafter import make_drafter
+from engine.handoff import is_handoff_due, prefill_result, reused_tokens
 from engine.layout import kv_cache_spec
 from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogprob
 from engine.params import SamplingParams
@@ -101,39 +104,33 @@ class LLMEngine:
         return self.drafter.propose(request.all_token_ids, max_len) if max_len > 0 else []
 
     # -- adding requests ---------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    first_token: tuple[int, TokenLogprob | None] | None = None) -> None:
-        """Queue a request to run until it finishes; ``step`` reports its updates.
-
-        ``first_token`` (id, logprob): a context worker already sampled it; the prefill here keeps
-        it in place of its own draw (``engine.batch_sampling``), as ``add_prefilled`` would.
-        """
-        request = self._new_request(request_id, prompt_token_ids, params)
-        request.first_token = first_token
-        self.scheduler.add(request)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request to run until it finishes; ``step`` reports its updates."""
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
 
     def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a prefill-only request: parked after its first token with its pages kept.
+        """Queue a prefill-only request: parked at its handoff (``engine.handoff``) with its pages kept.
 
-        Its last update carries ``prefill`` (a ``PrefillResult``); ``abort``
-        frees its pages once they are no longer needed.
+        Its one update carries ``prefill`` (a ``PrefillResult``) and all its
+        outputs; ``abort`` frees its pages once they are no longer needed.
         """
         self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, prefill_only=True))
 
-    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int]) -> bool:
-        """Bind pages for a prompt whose KV will arrive by transfer; False if the cache is full now.
+    def reserve_prefilled(self, request_id: str, kv_token_ids: list[int]) -> bool:
+        """Bind pages for tokens whose KV will arrive by transfer; False if the cache is full now.
 
-        Blocks this cache already holds are bound from it
-        (``manager.get_cached_ordinals``): a transfer skips them.
+        ``kv_token_ids``: the prompt and all handed-over outputs but the last
+        (``engine.handoff.kv_token_ids``). Blocks this cache already holds are
+        bound from it (``manager.get_cached_ordinals``): a transfer skips them.
         """
-        prompt_len = len(prompt_token_ids)
-        kwargs = dict(num_computed_tokens=prompt_len, draft_len=self.draft_len,
-                      num_extra_kv_tokens=self.num_extra_kv_tokens, block_hashes=self._prompt_hashes(prompt_token_ids))
-        if not self.manager.can_allocate(prompt_len, **kwargs):
+        num_kv = len(kv_token_ids)
+        kwargs = dict(num_computed_tokens=num_kv, draft_len=self.draft_len,
+                      num_extra_kv_tokens=self.num_extra_kv_tokens, block_hashes=self._prompt_hashes(kv_token_ids))
+        if not self.manager.can_allocate(num_kv, **kwargs):
             return False
-        self.manager.allocate(request_id, prompt_len, **kwargs)
-        self.num_transfer_queried_tokens += prompt_len
-        self.num_transfer_hit_tokens += self._reused_tokens(request_id, prompt_len)
+        self.manager.allocate(request_id, num_kv, **kwargs)
+        self.num_transfer_queried_tokens += num_kv
+        self.num_transfer_hit_tokens += reused_tokens(self.manager, request_id, num_kv)
         return True
 
     def _prompt_hashes(self, token_ids: list[int]) -> list[bytes]:
@@ -141,26 +138,32 @@ class LLMEngine:
             return []
         return extend_block_hashes([], token_ids, self.config.tokens_per_block, self.hash_extra)
 
-    def _reused_tokens(self, request_id: str, prompt_len: int) -> int:
-        """Prompt tokens of the blocks bound from the cache, in the group that reused the most."""
-        groups = self.manager.spec.groups
-        most = max(len(self.manager.get_cached_ordinals(request_id, g.name)) for g in groups)
-        return min(prompt_len, most * self.config.tokens_per_block)
-
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
-                      first_logprob: TokenLogprob | None = None, num_cached_tokens: int = 0) -> list[RequestUpdate]:
-        """Start decoding a request whose prompt KV sits in the pages ``reserve_prefilled`` bound;
-        ``first_logprob``: the context side's logprob of ``first_token_id`` (with ``params.logprobs``);
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                      params: SamplingParams, logprobs: list[TokenLogprob | None] | None = None,
+                      num_cached_tokens: int = 0) -> list[RequestUpdate]:
+        """Start decoding a request whose KV (prompt and outputs but the last) sits in the pages
+        ``reserve_prefilled`` bound. Its first update repeats the handed-over outputs (the stop
+        checks and text see them all); ``logprobs``: the context side's, one per output;
         ``num_cached_tokens``: the context side's prefix-cache hit, reported in usage."""
-        if self.manager.num_tokens(request_id) != len(prompt_token_ids):
+        num_kv = len(prompt_token_ids) + len(output_token_ids) - 1
+        if not output_token_ids or self.manager.num_tokens(request_id) != num_kv:
             raise ValueError(f"request {request_id!r}: reserved {self.manager.num_tokens(request_id)} tokens, "
-                             f"prompt has {len(prompt_token_ids)}")
+                             f"the handoff has {num_kv} ({len(output_token_ids)} outputs)")
         request = self._new_request(request_id, prompt_token_ids, params)
-        request.num_computed_tokens = len(prompt_token_ids)
+        request.num_computed_tokens = num_kv
         request.num_cached_tokens = num_cached_tokens
-        self.manager.cache_blocks(request_id, request.block_hashes, request.num_computed_tokens)  # the pull landed
-        self.scheduler.add_running(request)
-        return [self._advance(request, [first_token_id], [first_logprob])]
+        self.scheduler.add_running(request)  # _advance names the landed blocks for the prefix cache
+        return [self._advance(request, list(output_token_ids), logprobs or [None] * len(output_token_ids))]
+
+    def resume(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+               params: SamplingParams, logprobs: list[TokenLogprob | None] | None = None) -> None:
+        """Queue a request whose first k outputs were sampled elsewhere and whose KV is not here
+        (a handoff whose transfer failed). It runs the steps the context side ran (prefill,
+        then decodes), keeping the given outputs in place of its draws (``engine.batch_sampling``),
+        so the continuation is the one a transfer gives; its first update carries all k."""
+        request = self._new_request(request_id, prompt_token_ids, params)
+        request.given_outputs = list(zip(output_token_ids, logprobs or [None] * len(output_token_ids), strict=True))
+        self.scheduler.add(request)
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prefill_only: bool = False) -> Request:
@@ -203,7 +206,7 @@ class LLMEngine:
 
     def _postprocess(self, scheduled: list[ScheduledRequest], output: RunOutput) -> list[RequestUpdate]:
         sampled = sample_batch(self.sampler, scheduled, output)
-        updates = []
+        updates: list[RequestUpdate | None] = []
         for i, (item, span) in enumerate(zip(scheduled, output.spans)):
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
@@ -214,7 +217,7 @@ class LLMEngine:
                 updates.append(self._advance(request, *self._verify(item, output.logits[span[0]:span[1]])))
             else:
                 updates.append(self._advance(request, [sampled.token_ids[i]], [sampled.logprobs[i]]))
-        return updates
+        return [update for update in updates if update is not None]
 
     def _verify(self, item: ScheduledRequest, rows: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
         """The verified drafts plus one token."""
@@ -228,22 +231,26 @@ class LLMEngine:
         request.num_computed_tokens += result.num_accepted
         return result.token_ids, result.logprobs
 
-    def _advance(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> RequestUpdate:
+    def _advance(self, request: Request, token_ids: list[int],
+                 logprobs: list[TokenLogprob | None]) -> RequestUpdate | None:
         """Append sampled tokens, then finish, park or keep running the request.
 
         The one place a request ends from inside: finish frees its pages, park
-        (prefill-only, after its first token) keeps them, and a request that
-        runs on releases the window pages no future query reads.
+        (prefill-only, at its handoff) keeps them, and a request that runs on
+        releases the window pages no future query reads. A prefill-only
+        request reports nothing before its handoff, nor a resumed one while it
+        replays its given outputs: None (their next update carries them all).
         """
-        before = request.num_output_tokens
-        reason = self._stoppers[request.request_id].add_tokens(token_ids, logprobs)
+        stopper = self._stoppers[request.request_id]
+        reason = stopper.add_tokens(token_ids, logprobs)
         # Tokens computed past a stop are dropped: computed never exceeds the kept tokens.
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self._cache_computed(request)
-        if request.prefill_only:
-            self.scheduler.park(request)
-            return self._update(request, before, None, self._prefill_result(request, reason))
-        update = self._update(request, before, reason)
+        if request.prefill_only and is_handoff_due(request, stopper.hold_back, reason):
+            self.scheduler.park(request)  # its one update: every output so far
+            return self._update(request, None, prefill_result(request, self.manager, reason))
+        is_quiet = request.prefill_only or (request.is_replaying and reason is None)  # one update for all k
+        update = None if is_quiet else self._update(request, reason)
         if reason is not None:
             self._finish(request, reason)
         else:
@@ -261,21 +268,11 @@ class LLMEngine:
         num_held = min(request.num_computed_tokens, self.manager.num_tokens(request.request_id))
         self.manager.cache_blocks(request.request_id, request.block_hashes, num_held)
 
-    def _prefill_result(self, request: Request, reason: FinishReason | None) -> PrefillResult:
-        rid, manager = request.request_id, self.manager
-        return PrefillResult(
-            request_id=rid,
-            num_prompt_tokens=request.num_prompt_tokens,
-            first_token_id=request.output_token_ids[0],
-            first_logprob=request.output_logprobs[0],
-            block_ordinals={g.name: manager.get_block_ordinals(rid, g.name) for g in manager.spec.groups},
-            finish_reason=reason,
-            num_cached_tokens=request.num_cached_tokens,
-        )
-
-    def _update(self, request: Request, before: int, reason: FinishReason | None,
+    def _update(self, request: Request, reason: FinishReason | None,
                 prefill: PrefillResult | None = None) -> RequestUpdate:
-        stopper = self._stoppers[request.request_id]
+        """The outputs since the request's previous update (all of them in its first)."""
+        stopper, before = self._stoppers[request.request_id], request.num_emitted_tokens
+        request.num_emitted_tokens = request.num_output_tokens
         is_finished = (prefill.finish_reason if prefill is not None else reason) is not None  # parked != finished
         return RequestUpdate(
             request_id=request.request_id,

@@ -37,22 +37,36 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """A prefill-only request parked after its first token, its pages kept for a transfer.
+    """A prefill-only request parked after its handoff, its pages kept for a transfer.
 
-    ``block_ordinals[group]`` is the manager's table at parking time: entry
-    ``i`` is the page holding prompt positions ``[i*B, (i+1)*B)``, -1 where
-    none is bound. ``finish_reason`` is set when the first token already ends
-    the request (``STOP`` or ``LENGTH``): a caller may then finish it without
-    a generation worker, and must still ``abort`` it to free the pages.
+    ``output_token_ids`` (k >= 1) and ``output_logprobs`` (one each, None where
+    not asked for): what it sampled before parking (``engine.handoff``); the KV
+    of ``num_kv_tokens = P + k - 1`` tokens (the prompt and all outputs but the
+    last) is written. ``block_ordinals[group]`` is the manager's table at parking
+    time: entry ``i`` is the page holding positions ``[i*B, (i+1)*B)``, -1 where
+    none is bound. ``finish_reason`` is set when an output already ends the
+    request (``STOP`` or ``LENGTH``): a caller may then finish it without a
+    generation worker, and must still ``abort`` it to free the pages.
     """
 
     request_id: str
     num_prompt_tokens: int
-    first_token_id: int
-    first_logprob: TokenLogprob | None
+    output_token_ids: list[int]
+    output_logprobs: list[TokenLogprob | None]
     block_ordinals: dict[str, list[int]]
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.output_token_ids:
+            raise ValueError("a prefill hands over at least one output token")
+        if len(self.output_logprobs) != len(self.output_token_ids):
+            raise ValueError(f"{len(self.output_logprobs)} logprobs for {len(self.output_token_ids)} output tokens")
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens whose KV is written: the prompt and every output but the last."""
+        return self.num_prompt_tokens + len(self.output_token_ids) - 1
 
 
 @dataclass

@@ -14,7 +14,7 @@ from engine.params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PARKED = "parked"  # prefill-only: first token sampled, pages kept for a transfer until abort
+    PARKED = "parked"  # prefill-only: handed over (engine.handoff), pages kept for a transfer until abort
     FINISHED = "finished"
 
 
@@ -38,7 +38,7 @@ class Request:
     seed: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    first_token: tuple[int, TokenLogprob | None] | None = None  # given, not sampled (batch_sampling)
+    given_outputs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # kept, not drawn (resume)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks (kvcache.hashing)
@@ -46,7 +46,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_drafts_proposed: int = 0
     num_drafts_accepted: int = 0
-    num_emitted_tokens: int = 0
+    num_emitted_tokens: int = 0  # outputs reported in updates so far
     emitted_text: str = ""
     text: str = ""
 
@@ -71,19 +71,20 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def is_first_token_given(self) -> bool:
-        """Its next token is output 0 and was sampled elsewhere: this step keeps it instead."""
-        return self.first_token is not None and self.num_output_tokens == 0
+    def is_replaying(self) -> bool:
+        """Its next output was sampled elsewhere (``given_outputs``): this step keeps it instead."""
+        return self.num_output_tokens < len(self.given_outputs)
 
     @property
     def may_draft(self) -> bool:
-        """Drafts are verified against this step's logits: not for a parked prefill, and not for a
-        given first token (the drafts would be checked against a token that is then replaced)."""
-        return not self.prefill_only and not self.is_first_token_given
+        """Drafts are verified against this step's logits: not for a prefill-only request (it hands
+        over after a few single-token steps, ``engine.handoff``), and not while replaying given
+        outputs (the drafts would be checked against a token that is then replaced)."""
+        return not self.prefill_only and not self.is_replaying
 
     def given_or_sampled(self, token_id: int, logprob: TokenLogprob | None) -> tuple[int, TokenLogprob | None]:
-        """The given first token in place of the sampled one while it is due, else the sampled one."""
-        return self.first_token if self.is_first_token_given else (token_id, logprob)
+        """The given output in place of the sampled one while one is due, else the sampled one."""
+        return self.given_outputs[self.num_output_tokens] if self.is_replaying else (token_id, logprob)
 
     @property
     def is_finished(self) -> bool:

@@ -1,17 +1,19 @@
-"""Which blocks of a prompt a generation side will ever read, paired by ordinal.
+"""Which blocks of a handed-over request a generation side will ever read, paired by ordinal.
 
-For a group with window ``W`` and a prompt of ``P`` tokens in blocks of ``B``::
+``N`` = ``num_kv_tokens``: the positions whose KV travels, the prompt and all
+handed-over outputs but the last (``engine.handoff``: ``N = P + k - 1``, the
+prompt alone when k = 1). For a group with window ``W``, in blocks of ``B``::
 
     ordinal:   0      1      ...  stale_end-1 | stale_end ...  T-1 | T ...
-    tokens:  [0,B) [B,2B)  ...               | ... prompt ...     | drafts, extra slots
+    tokens:  [0,B) [B,2B)  ...               | prompt, t0..t(k-2) | drafts, extra slots
              <--- no future query reads ---> | <--- the slice ---> | <- never travels ->
 
-    stale_end = max(0, (P + 1 - W) // B)   (0 for a full-attention group)
-    T         = ceil(P / B)
+    stale_end = max(0, (N + 1 - W) // B)   (0 for a full-attention group)
+    T         = ceil(N / B)
 
-The first query after the prompt sits at position ``P`` and reads keys
-``[P - W + 1, P]``; block ``i`` is stale when its last token ``(i+1)B - 1``
-is below ``P - W + 1``, i.e. ``i < (P + 1 - W) / B``.
+The generation side's first query (token t(k-1)) sits at position ``N`` and
+reads keys ``[N - W + 1, N]``; block ``i`` is stale when its last token
+``(i+1)B - 1`` is below ``N - W + 1``, i.e. ``i < (N + 1 - W) / B``.
 
 Pairs are made by ordinal: entry ``i`` of the source table goes to entry
 ``i`` of the destination table. Nothing here trims a table by count.
@@ -20,7 +22,7 @@ A receiver with a prefix cache already holds some slice ordinals (the pages
 ``allocate`` bound from its cache); ``plan_pull`` drops exactly those, by
 ordinal, and the rest of the slice keeps its pairs::
 
-    ordinal:    0    1    2    3    4        B=8, W=16, P=36: slice [2, 5)
+    ordinal:    0    1    2    3    4        B=8, W=16, N=36: slice [2, 5)
     src:       c0   c1   c2   c3   c4
     dst:       -1   -1   g2   g3   g4        cached ordinals {3}
     pulled:              c2->g2     c4->g4   (3 is read from g3 where it lies)
@@ -39,27 +41,27 @@ class KVSliceError(ValueError):
     """The sender lacks a block the receiver needs, or a table is too short."""
 
 
-def stale_end(prompt_len: int, window: int | None, tokens_per_block: int) -> int:
-    """Number of leading blocks that no query at or after ``prompt_len`` reads."""
-    if prompt_len < 0 or tokens_per_block < 1:
-        raise ValueError(f"bad prompt_len={prompt_len} or tokens_per_block={tokens_per_block}")
+def stale_end(num_tokens: int, window: int | None, tokens_per_block: int) -> int:
+    """Number of leading blocks that no query at or after position ``num_tokens`` reads."""
+    if num_tokens < 0 or tokens_per_block < 1:
+        raise ValueError(f"bad num_tokens={num_tokens} or tokens_per_block={tokens_per_block}")
     if window is None:
         return 0
-    return max(0, (prompt_len + 1 - window) // tokens_per_block)
+    return max(0, (num_tokens + 1 - window) // tokens_per_block)
 
 
-def slice_range(prompt_len: int, window: int | None, tokens_per_block: int) -> range:
-    """Ordinals ``[stale_end, T)`` that hold prompt tokens a future query reads."""
+def slice_range(num_kv_tokens: int, window: int | None, tokens_per_block: int) -> range:
+    """Ordinals ``[stale_end, T)`` that hold KV a query at or after ``num_kv_tokens`` reads."""
     return range(
-        stale_end(prompt_len, window, tokens_per_block),
-        num_blocks(prompt_len, tokens_per_block),
+        stale_end(num_kv_tokens, window, tokens_per_block),
+        num_blocks(num_kv_tokens, tokens_per_block),
     )
 
 
 def plan_slice(
     src_ordinals: Sequence[int],
     dst_ordinals: Sequence[int],
-    prompt_len: int,
+    num_kv_tokens: int,
     window: int | None,
     tokens_per_block: int,
 ) -> list[tuple[int, int, int]]:
@@ -70,18 +72,18 @@ def plan_slice(
     inside the slice, or a table shorter than the slice, raises KVSliceError
     before anything is planned, so nothing moves.
     """
-    ordinals = slice_range(prompt_len, window, tokens_per_block)
+    ordinals = slice_range(num_kv_tokens, window, tokens_per_block)
     for name, table in (("source", src_ordinals), ("destination", dst_ordinals)):
         if len(table) < ordinals.stop:
             raise KVSliceError(
                 f"{name} table has {len(table)} entries but the slice needs ordinals "
-                f"{ordinals.start}..{ordinals.stop - 1} (prompt_len={prompt_len}, B={tokens_per_block})"
+                f"{ordinals.start}..{ordinals.stop - 1} (num_kv_tokens={num_kv_tokens}, B={tokens_per_block})"
             )
     missing = [i for i in ordinals if src_ordinals[i] == UNBOUND]
     if missing:
         raise KVSliceError(
             f"source has no page for ordinals {missing} inside the slice "
-            f"[{ordinals.start}, {ordinals.stop}) (prompt_len={prompt_len}, window={window})"
+            f"[{ordinals.start}, {ordinals.stop}) (num_kv_tokens={num_kv_tokens}, window={window})"
         )
     return [(i, src_ordinals[i], dst_ordinals[i]) for i in ordinals if dst_ordinals[i] != UNBOUND]
 
@@ -90,7 +92,7 @@ def plan_pull(
     src_ordinals: Sequence[int],
     dst_ordinals: Sequence[int],
     cached_ordinals: Collection[int],
-    prompt_len: int,
+    num_kv_tokens: int,
     window: int | None,
     tokens_per_block: int,
 ) -> list[tuple[int, int, int]]:
@@ -106,4 +108,4 @@ def plan_pull(
     if unbound:
         raise KVSliceError(f"cached ordinals {unbound} have no page in the destination table")
     receiving = [UNBOUND if i in cached else page for i, page in enumerate(dst_ordinals)]
-    return plan_slice(src_ordinals, receiving, prompt_len, window, tokens_per_block)
+    return plan_slice(src_ordinals, receiving, num_kv_tokens, window, tokens_per_block)

@@ -56,8 +56,10 @@ async def cross_check(bench: Bench, sizes: tuple[int, ...]) -> list[dict]:
     rows = []
     for prompt_len in sizes:
         progress(f"real prefill of {prompt_len} tokens vs synthetic pages")
-        real = (await bench.transfer(bench.gen, prompt_len, real=True, verify=True))["record"]
-        synthetic = (await bench.transfer(bench.gen, prompt_len, verify=True))["record"]
+        real = await bench.transfer(bench.gen, prompt_len, real=True, verify=True)
+        # the KV of the real handoff's num_kv_tokens travels (engine.handoff: more than the prompt when k > 1)
+        synthetic = (await bench.transfer(bench.gen, real["num_kv_tokens"], verify=True))["record"]
+        real = real["record"]
         fields = ("num_pages", "num_descriptors", "num_bytes")
         rows.append({"prompt_len": prompt_len, **{f"real_{f}": getattr(real, f) for f in fields},
                      **{f"synthetic_{f}": getattr(synthetic, f) for f in fields},

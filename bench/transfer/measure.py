@@ -14,9 +14,10 @@ import torch
 from bench.common import ainterleave, median, ratio, timed
 from bench.transfer.geometry import PAGE_NBYTES, B, W, min_slice_pages, window_unaware_pages
 from engine import SamplingParams
+from engine.handoff import HANDOFF_MAX_TOKENS
 
 REP_BYTES = 1 << 30  # small transfers are short and noisy: repeat each until ~1 GiB has moved, within the mode's bounds
-HELD = SamplingParams(max_tokens=2, ignore_eos=True)  # a request that ends at its first token holds no pages
+HELD = SamplingParams(max_tokens=HANDOFF_MAX_TOKENS + 1, ignore_eos=True)  # one that ends in its handoff holds none
 
 
 class Bench:
@@ -44,14 +45,14 @@ class Bench:
             await self.verify(gen, handle, rid)
         await gen.abort.remote(rid)
         await self.wait_released()
-        return {"record": record, "wall": wall}
+        return {"record": record, "wall": wall, "num_kv_tokens": handle.num_kv_tokens}
 
     async def verify(self, gen, handle, rid: str) -> None:
         """Every page of the slice holds at its ordinal, on the generation side, what the context side holds."""
         dst_tables = await gen.block_ordinals.remote(rid)
         for group, src_table in handle.block_ordinals.items():
-            first = max(0, handle.prompt_len - W + 1) // B if group != "full" else 0
-            ordinals = range(first, (handle.prompt_len - 1) // B + 1)
+            first = max(0, handle.num_kv_tokens - W + 1) // B if group != "full" else 0
+            ordinals = range(first, (handle.num_kv_tokens - 1) // B + 1)
             src = await self.ctx.page_sums.remote(group, [src_table[i] for i in ordinals])
             dst = await gen.page_sums.remote(group, [dst_tables[group][i] for i in ordinals])
             if src != dst:

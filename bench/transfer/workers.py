@@ -34,7 +34,8 @@ class SyntheticContextWorker(ContextWorker):
         # What the scheduler's admission of a prefill-only request binds (context side: no drafts).
         manager = engine.manager
         manager.allocate(request_id, prompt_len, num_extra_kv_tokens=engine.num_extra_kv_tokens, include_drafts=False)
-        return KVHandle(context_agent=self.agent_name, request_id=request_id, prompt_len=prompt_len, first_token_id=0,
+        return KVHandle(context_agent=self.agent_name, request_id=request_id, prompt_len=prompt_len,
+                        output_token_ids=[0],
                         block_ordinals={g.name: manager.get_block_ordinals(request_id, g.name)
                                         for g in manager.spec.groups},
                         lease_deadline=self.leases.grant(request_id), tokens_per_block=manager.spec.tokens_per_block)

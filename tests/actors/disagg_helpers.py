@@ -11,7 +11,12 @@ from actors.aggregated_worker import AggregatedWorker
 from actors.config import WorkerConfig
 from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
+from actors.messages import Prefilled
+from app.serve_backend import without_first_token
 from engine import SamplingParams
+from engine.outputs import RequestUpdate
+from tests.engine.engine_fixtures import make_engine
+from tests.engine.test_handoff import CANDIDATES, crosses_a_block, handoff_len
 
 RemoteContext = ray.remote(num_cpus=0)(ContextWorker)
 RemoteGeneration = ray.remote(num_cpus=0)(GenerationWorker)
@@ -110,3 +115,32 @@ async def free_pages(*workers) -> list[tuple[int, int]]:
         stats = await worker.stats.remote()
         out.append((stats["num_free_pages"], stats["num_total_pages"]))
     return out
+
+
+def held_back_prompts(tiny_model, params, n: int = 4):
+    """Prompts whose token 0 is held back (half a character), with their aggregated tokens and
+    logprobs, each run alone: found by search, those whose handoff fills a new block first."""
+    aggregated = make_engine(tiny_model, tokens_per_block=8)
+    found = []
+    for r, prompt in enumerate(CANDIDATES):
+        aggregated.add_request(f"r{r}", prompt, params)
+        tokens, logprobs = [], []
+        while aggregated.has_unfinished():
+            for update in aggregated.step():
+                tokens += update.new_token_ids
+                logprobs += update.logprobs or []
+        k, _ = handoff_len(tiny_model.tokenizer, prompt, tokens)
+        if k > 1:
+            found.append((not crosses_a_block(prompt, k), prompt, k, tokens, logprobs))
+    assert len(found) >= 2, "no prompt with a held-back token 0 among the candidates"
+    return [case[1:] for case in sorted(found, key=lambda case: case[0])[:n]]
+
+
+async def client_stream(gen, prefilled: Prefilled, prompt: list[int], params: SamplingParams) -> list[RequestUpdate]:
+    """What the ingress streams: the handed-over update, then the generation stream less its repeat of it."""
+    stream, first = [prefilled.first], prefilled.first
+    async for ref in gen.generate.remote(prefilled.kv, prompt, params):
+        update = await ref
+        stream.append(without_first_token(first, update) if first is not None else update)
+        first = None
+    return stream

@@ -1,9 +1,11 @@
 """The context worker's first update, without Ray: exactly what an aggregated engine emits for
-the first token; when that token ends the request nothing is held (no lease, pages free)."""
+the handed-over outputs (engine.handoff: up to the first visible text), merged into one update;
+when an output ends the request nothing is held (no lease, pages free)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -12,6 +14,7 @@ from actors.config import WorkerConfig
 from actors.context_worker import ContextWorker
 from actors.transport import LocalFabric, LocalTransport
 from engine import SamplingParams
+from engine.handoff import HANDOFF_MAX_TOKENS
 from engine.outputs import RequestUpdate
 from tests.engine.engine_fixtures import make_engine, tiny_model  # noqa: F401
 
@@ -29,13 +32,23 @@ def context() -> ContextWorker:
         return ContextWorker(WorkerConfig(**ENGINE, transport="local"))
 
 
-def aggregated_first(tiny_model, prompt: list[int], params: SamplingParams, request_id: str = "r") -> RequestUpdate:
+def aggregated_first(tiny_model, prompt: list[int], params: SamplingParams, request_id: str = "r",
+                     num_tokens: int = 1) -> RequestUpdate:
+    """The aggregated engine's updates of the first ``num_tokens`` outputs, merged into one."""
     engine = make_engine(tiny_model, **ENGINE)
     engine.add_request(request_id, prompt, params)
-    while True:
+    merged = None
+    while merged is None or (merged.num_output_tokens < num_tokens and not merged.is_finished):
         for update in engine.step():
-            engine.abort(request_id)
-            return update
+            merged = update if merged is None else merge(merged, update)
+    engine.abort(request_id)
+    return merged
+
+
+def merge(a: RequestUpdate, b: RequestUpdate) -> RequestUpdate:
+    logprobs = None if a.logprobs is None else a.logprobs + b.logprobs
+    return dataclasses.replace(b, new_token_ids=a.new_token_ids + b.new_token_ids, new_text=a.new_text + b.new_text,
+                               logprobs=logprobs)
 
 
 def prefill(context: ContextWorker, request_id: str, prompt: list[int], params: SamplingParams):
@@ -75,19 +88,24 @@ def test_first_update_is_the_aggregated_first_update(case, context, tiny_model):
         "half a character, max_tokens=1": SamplingParams(max_tokens=1, ignore_eos=True),  # finished: flushed
     }[case]
     prompt = SPLIT if case.startswith("half a character") else PROMPT
-    want = aggregated_first(tiny_model, prompt, params, case)  # an id once per worker: leases remember it
-    got = prefill(context, case, prompt, params)
+    got = prefill(context, case, prompt, params)  # an id once per worker: leases remember it
+    k = len(got.first.new_token_ids)
+    want = aggregated_first(tiny_model, prompt, params, case, num_tokens=k)
     assert got.first == want
-    assert got.first.new_token_ids == want.new_token_ids and len(want.new_token_ids) == 1
-    if case in ("stop held back", "half a character"):
-        assert got.first.new_text == "" and not got.is_finished  # could still become a stop string, a character
+    assert got.first.new_token_ids == want.new_token_ids and want.num_output_tokens == k
+    if case in ("stop held back", "half a character"):  # text could still become a stop string, a character
+        assert k > 1 and not got.is_finished  # so the context side decoded on
+        assert got.first.new_text != "" or k == HANDOFF_MAX_TOKENS
+    else:
+        assert k == 1
     if case == "half a character, max_tokens=1":
         assert got.first.new_text == "\ufffd"
     if case in ("max_tokens=1", "stop completed", "half a character, max_tokens=1"):
         assert got.is_finished and got.kv is None and is_free(context)
         assert got.first.finish_reason == ("stop" if case == "stop completed" else "length")
     else:
-        assert got.kv.first_token_id == want.new_token_ids[0] and got.kv.request_id == case
+        assert got.kv.output_token_ids == want.new_token_ids and got.kv.request_id == case
+        assert got.kv.num_kv_tokens == len(prompt) + k - 1
         assert len(context.leases) == 1 and not is_free(context)
         asyncio.run(context.abort(case))
         assert is_free(context)

@@ -13,17 +13,21 @@ from actors.leases import LeaseDenied
 from actors.peers import PeerNotFoundError, lookup
 from bench.common import start_ray
 from engine import SamplingParams
+from kvcache import slice_range
 from tests.actors.disagg_helpers import (
     RemoteContext,
     RemoteGeneration,
+    client_stream,
     disagg_request,
     free_pages,
+    held_back_prompts,
     prompts_sharing_prefixes,
     random_prompts,
     started,
     worker_config,
 )
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
+from tests.engine.test_handoff import CANDIDATES
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -82,6 +86,70 @@ def test_seeded_sampling_disaggregated_equals_aggregated(ray_session, tiny_model
 
     for i, tokens in enumerate(asyncio.run(main())):
         assert tokens == expected[f"r{i}"]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=2),
+], ids=["greedy", "seeded"])
+def test_a_held_back_token_0_hands_over_k_outputs_and_the_stream_equals_aggregated(ray_session, tiny_model, params):
+    """The context worker hands over t0..t(k-1) (k > 1: up to the first visible text) in one update;
+    that update, then the generation stream less its repeat of them, is the aggregated stream:
+    tokens and logprobs (one request at a time, as the reference ran, so the rows are computed
+    in the same shapes). On a model with a sliding-window group; pages free on both sides afterwards."""
+    cases = held_back_prompts(tiny_model, params)
+    ctx, gen = started(RemoteContext.remote(worker_config()),
+                       RemoteGeneration.remote(worker_config(num_extra_kv_tokens=2)))
+
+    async def one(i, prompt):
+        prefilled = await ctx.prefill.remote(f"h{i}", prompt, params)
+        return prefilled, await client_stream(gen, prefilled, prompt, params)
+
+    async def main():
+        results = [await one(i, case[0]) for i, case in enumerate(cases)]
+        return results, await free_pages(ctx, gen)
+
+    results, pages = asyncio.run(main())
+    for (prompt, k, tokens, logprobs), (prefilled, stream) in zip(cases, results):
+        assert prefilled.first.new_token_ids == prefilled.kv.output_token_ids == tokens[:k]
+        assert prefilled.kv.num_kv_tokens == len(prompt) + k - 1
+        assert [t for u in stream for t in u.new_token_ids] == tokens
+        assert [lp for u in stream for lp in u.logprobs] == logprobs
+    assert_all_free(pages)
+
+
+def test_a_multi_token_handoff_lands_the_kv_of_its_outputs(ray_session, tiny_model):
+    """The slice at N = P + k - 1 (the prompt and t0..t(k-2)): every block of it lands at its
+    ordinal with the context side's rows, including the block only the outputs reach."""
+    def blocks(n):
+        return -(-n // 8)
+
+    cases = held_back_prompts(tiny_model, GREEDY, n=len(CANDIDATES))
+    prompt, k, _, _ = next(c for c in cases if blocks(len(c[0]) + c[1] - 1) > blocks(len(c[0])))
+    ctx, gen = started(RemoteContext.remote(worker_config()),
+                       RemoteGeneration.remote(worker_config(max_draft_len=3, num_extra_kv_tokens=2)))
+
+    async def main():
+        handle = (await ctx.prefill.remote("m", prompt, GREEDY)).kv
+        src = {g: await ctx.read_pages.remote(g, [max(p, 0) for p in table])
+               for g, table in handle.block_ordinals.items()}
+        await gen.receive_kv.remote(handle, prompt)
+        checks = []
+        for group, table in (await gen.block_ordinals.remote("m")).items():
+            checks.append((group, table, src[group], await gen.read_pages.remote(group, [max(p, 0) for p in table])))
+        await gen.abort.remote("m")
+        return handle, checks, await free_pages(ctx, gen)
+
+    handle, checks, pages = asyncio.run(main())
+    N, window = handle.num_kv_tokens, {"sliding": 32, "full": None}
+    assert N == len(prompt) + k - 1 and len(handle.output_token_ids) == k
+    for group, dst_table, src, got in checks:
+        ordinals = slice_range(N, window[group], 8)
+        assert ordinals.stop == blocks(N) > blocks(len(prompt))
+        for ordinal in ordinals:
+            assert dst_table[ordinal] >= 0 and torch.equal(got[ordinal], src[ordinal]), f"{group} ordinal {ordinal}"
+            assert got[ordinal].abs().sum() > 0
+    assert_all_free(pages)
 
 
 def test_pages_land_at_their_ordinals_and_nowhere_else(ray_session):

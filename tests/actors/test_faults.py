@@ -1,6 +1,6 @@
 """Faults between real workers: a dead peer, a failed transfer. A context side that dies
 or lets its lease lapse under a handoff costs the request nothing (the generation worker
-prefills it, keeping the first token); other errors are clear and bounded in time, and no
+prefills it, keeping the k outputs the context side handed over); other errors are clear and bounded in time, and no
 page is leaked on the side that survives."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from engine import SamplingParams
 from tests.actors.disagg_helpers import (
     RemoteContext,
     RemoteGeneration,
+    client_stream,
     disagg_request,
+    held_back_prompts,
     started,
     worker_config,
 )
@@ -94,6 +96,31 @@ def test_context_killed_before_the_pull_falls_back_and_a_replacement_transfers(r
     assert not connected
     assert (final["num_transfer_fallbacks"], final["kv_transfers"]) == (2, 2)  # the replacement: a real pull
     assert gen_free and spare_free
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2),
+                                    dataclasses.replace(SEEDED, logprobs=2)], ids=["greedy", "seeded"])
+def test_context_killed_after_a_multi_token_handoff_streams_the_aggregated_tokens(ray_session, tiny_model, params):
+    """Token 0 held back: the context side handed over k > 1 outputs, then died before the pull.
+    The generation worker resumes with those k (its first update repeats them, as a transfer's
+    does): the client's stream is the aggregated one, tokens and logprobs, each output once."""
+    cases = held_back_prompts(tiny_model, params, n=2)
+    doomed, gen = started(RemoteContext.remote(worker_config()),
+                          RemoteGeneration.remote(worker_config(claim_timeout_s=CLAIM_TIMEOUT_S)))
+
+    async def main():
+        prefilled = [await doomed.prefill.remote(f"k{i}", case[0], params) for i, case in enumerate(cases)]
+        await kill_and_wait(doomed)
+        streams = [await client_stream(gen, p, case[0], params) for p, case in zip(prefilled, cases)]
+        return prefilled, streams, await gen.stats.remote(), await all_free(gen)
+
+    prefilled, streams, stats, gen_free = asyncio.run(main())
+    for (_, k, tokens, logprobs), handed, stream in zip(cases, prefilled, streams):
+        assert k > 1 and handed.first.new_token_ids == tokens[:k]
+        assert [t for u in stream for t in u.new_token_ids] == tokens
+        assert [lp for u in stream for lp in u.logprobs] == logprobs
+    assert (stats["num_transfer_fallbacks"], stats["kv_transfers"]) == (len(cases), 0)
+    assert gen_free
 
 
 class PauseBeforePull(GenerationWorker):

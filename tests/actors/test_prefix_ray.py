@@ -2,8 +2,10 @@
 
 Geometry (windserve-tiny, ``worker_config``): ``B = 8``, a full group and a
 sliding group with ``W = 32``. For a prompt of ``P`` tokens the slice is
-ordinals ``[stale_end(P), ceil(P/B))``; the generation side pulls only those
-its own cache lacks, so bytes moved = pulled ordinals x page size.
+ordinals ``[stale_end(N), ceil(N/B))``, ``N = num_kv_tokens`` (the prompt, and
+the outputs but the last of a multi-token handoff: ``engine.handoff``); the
+generation side pulls only those its own cache lacks, so bytes moved = pulled
+ordinals x page size.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def ray_session():
     ray.shutdown()
 
 
-def slice_ordinals(group: str, P: int) -> range:
-    return range(stale_end(P, WINDOW[group], B), -(-P // B))
+def slice_ordinals(group: str, N: int) -> range:
+    return range(stale_end(N, WINDOW[group], B), -(-N // B))
 
 
 async def page_bytes(worker) -> dict[str, int]:
@@ -60,18 +62,18 @@ async def page_bytes(worker) -> dict[str, int]:
     return {g: t[0].numel() * t[0].element_size() for g, t in pages.items()}
 
 
-async def slice_pages(worker, tables: dict[str, list[int]], P: int) -> dict[str, torch.Tensor]:
+async def slice_pages(worker, tables: dict[str, list[int]], N: int) -> dict[str, torch.Tensor]:
     """The pages at every slice ordinal of ``tables``, in ordinal order."""
-    return {g: await worker.read_pages.remote(g, [tables[g][i] for i in slice_ordinals(g, P)]) for g in WINDOW}
+    return {g: await worker.read_pages.remote(g, [tables[g][i] for i in slice_ordinals(g, N)]) for g in WINDOW}
 
 
 async def pull(ctx, gen, rid: str, prompt: list[int]):
     """Prefill on ``ctx``, then only the handoff on ``gen``: its ReadStats, and whether every page
     at a slice ordinal on ``gen`` (pulled or reused) holds what the context side holds there."""
     handle = (await ctx.prefill.remote(rid, prompt, GREEDY)).kv
-    want = await slice_pages(ctx, handle.block_ordinals, len(prompt))
+    want = await slice_pages(ctx, handle.block_ordinals, handle.num_kv_tokens)
     stats = await gen.receive_kv.remote(handle, prompt)
-    got = await slice_pages(gen, await gen.block_ordinals.remote(rid), len(prompt))
+    got = await slice_pages(gen, await gen.block_ordinals.remote(rid), handle.num_kv_tokens)
     await gen.abort.remote(rid)
     return stats, all(torch.equal(got[g], want[g]) and want[g].abs().sum() > 0 for g in WINDOW)
 
@@ -101,11 +103,11 @@ def test_bytes_moved_are_the_slice_blocks_the_generation_side_lacks(ray_session,
         return size, again, num_bytes, usage + [result], await free_pages(ctx, gen)
 
     size, (again, intact), num_bytes, usage, pages = asyncio.run(main())
-    # Repeated prompt, P = 70: blocks 0..7 are held (full 0..7; window 4..7 from stale_end(70) = 4);
-    # only ordinal 8, the partial last block (tokens 64..69), travels, in each group.
+    # Repeated prompt, P = 70 (k = 2: N = 71): blocks 0..7 are held (full 0..7; window 5..7 from
+    # stale_end(71) = 5); only ordinal 8, the partial last block (tokens 64..70), travels, in each group.
     assert again.num_bytes == num_bytes["repeated"] == size["full"] + size["sliding"]
     assert intact, "a page at a slice ordinal, pulled or reused, differs from the context's"
-    # Forked prompt, P = 75, shares blocks 0..6: the slice is full 0..9 and window 5..9;
+    # Forked prompt, P = 75 (k = 2: N = 76), shares blocks 0..6: the slice is full 0..9 and window 5..9;
     # 0..6 and 5..6 are held, so ordinals 7, 8, 9 travel in each group.
     assert num_bytes["forked"] == 3 * (size["full"] + size["sliding"])
     expected = run_in_order(make_engine(tiny_model, tokens_per_block=8), [repeated, repeated, head, forked], GREEDY)
@@ -122,11 +124,10 @@ def test_an_abort_mid_transfer_leaves_a_shared_prefix_intact_for_the_others(ray_
     ctx, gen = started(RemoteContext.remote(worker_config(num_pages=48)), SlowPullGeneration.remote(worker_config()))
     shared = [(5 * i + 1) % 251 for i in range(64)]
     prompts = {name: shared + [tail + i for i in range(16)] for name, tail in (("A", 100), ("B", 140), ("C", 180))}
-    P = 80
 
     async def main():
         handles = {name: (await ctx.prefill.remote(name, prompt, GREEDY)).kv for name, prompt in prompts.items()}
-        want_b = await slice_pages(ctx, handles["B"].block_ordinals, P)
+        want_b = await slice_pages(ctx, handles["B"].block_ordinals, handles["B"].num_kv_tokens)
         job = asyncio.ensure_future(disagg_request(ctx, gen, "A", prompts["A"], GREEDY, handles["A"]))
         while (await ctx.stats.remote())["num_claimed_leases"] == 0 and not job.done():
             await asyncio.sleep(0.001)
@@ -135,12 +136,13 @@ def test_an_abort_mid_transfer_leaves_a_shared_prefix_intact_for_the_others(ray_
             await job
         while (await ctx.stats.remote())["num_leases"] == 3:
             await asyncio.sleep(0.01)  # A's release reaches the context worker
-        # The full group's free pages: 48 - (8 shared + 2 of B + 2 of C) = 36; D takes all of them.
+        # The full group's free pages: 48 - (8 shared + those of B and C alone); D takes all of them.
         # max_tokens=2: a request that ends at its first token gives its pages back at once
-        await ctx.prefill.remote("D", [(3 * i) % 7 + 240 for i in range(36 * B - 4)],
+        num_free = 48 - len({page for name in "BC" for page in handles[name].block_ordinals["full"]})
+        await ctx.prefill.remote("D", [(3 * i) % 7 + 240 for i in range(num_free * B - 4)],
                                  SamplingParams(max_tokens=2, ignore_eos=True))
         await gen.receive_kv.remote(handles["B"], prompts["B"])
-        got_b = await slice_pages(gen, await gen.block_ordinals.remote("B"), P)
+        got_b = await slice_pages(gen, await gen.block_ordinals.remote("B"), handles["B"].num_kv_tokens)
         tokens_c = await disagg_request(ctx, gen, "C", prompts["C"], GREEDY, handles["C"])
         await gen.abort.remote("B")
         await ctx.abort.remote("D")

@@ -33,7 +33,7 @@ def update(token: int, text: str, finish: FinishReason | None = None) -> Request
 
 
 AGGREGATED = [update(10, "a"), update(11, "b"), update(12, "c", FinishReason.LENGTH)]
-KV = KVHandle("context-agent", "r", len(PROMPT), 10, {"full": [3]}, time.time() + 30, 8, LOGPROBS[10], 4)
+KV = KVHandle("context-agent", "r", len(PROMPT), [10], {"full": [3]}, time.time() + 30, 8, [LOGPROBS[10]], 4)
 
 
 def backend_with(prefill, generate=None, generate_local=None) -> tuple[ServeBackend, dict[str, FakeDeployment]]:
@@ -106,6 +106,28 @@ def test_the_splice_passes_on_only_the_finish_of_the_repeated_token_0():
     updates = asyncio.run(collect(backend))
     assert updates == [first, RequestUpdate("r", [], "\u00e9", len(PROMPT), 1, FinishReason.LENGTH, [],
                                             num_cached_tokens=4)]
+
+
+def test_a_multi_token_handoff_is_sent_once():
+    """Token 0 held back (half a character): the context side hands over tokens 10, 11 in one update;
+    the generation stream's first update repeats both (add_prefilled) and only what follows passes."""
+    first = RequestUpdate("r", [10, 11], "ab", len(PROMPT), 2, logprobs=[LOGPROBS[10], LOGPROBS[11]],
+                          num_cached_tokens=4)
+    kv = KVHandle("context-agent", "r", len(PROMPT), [10, 11], {"full": [3]}, time.time() + 30, 8,
+                  [LOGPROBS[10], LOGPROBS[11]], 4)
+
+    async def handed_over(request_id, prompt, params, hint=None):
+        return Prefilled(first, kv)
+
+    async def generate(kv, prompt, params, hint=None):
+        yield first
+        yield AGGREGATED[2]
+
+    backend, handles = backend_with(handed_over, generate)
+    assert kv.num_kv_tokens == len(PROMPT) + 1
+    assert asyncio.run(collect(backend)) == [first, AGGREGATED[2]]
+    (call,) = handles["generation"].calls
+    assert call.args == (kv, PROMPT, PARAMS)
 
 
 def test_a_finished_token_0_makes_no_generation_call():

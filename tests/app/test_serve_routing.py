@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from app.serve_app import build_app_with
+from engine.handoff import HANDOFF_MAX_TOKENS
 from engine.model_registry import resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client, wait_until
@@ -104,12 +105,14 @@ def test_requests_sharing_a_prefix_go_to_the_replica_holding_it(kv_url, clients,
     prefix = text(1, 200)
     cacheable = len(tokenizer.encode(prefix)) // B * B
     num_requests = 4
-    clients["kv"].completions.create(model=MODEL, prompt=prefix + text(2, 40), max_tokens=2, **GREEDY)
+    max_tokens = HANDOFF_MAX_TOKENS + 2  # past any handoff: every request reaches a generation replica
+    clients["kv"].completions.create(model=MODEL, prompt=prefix + text(2, 40), max_tokens=max_tokens, **GREEDY)
     time.sleep(ROUTING_DELAY_S)
     before = settled(lambda: hits_by_replica(kv_url))
     for i in range(num_requests):
         # 40 new tokens: more than LOCAL_MAX uncached, so the context side prefills it
-        clients["kv"].completions.create(model=MODEL, prompt=prefix + text(10 + i, 40), max_tokens=2, **GREEDY)
+        clients["kv"].completions.create(model=MODEL, prompt=prefix + text(10 + i, 40), max_tokens=max_tokens,
+                                         **GREEDY)
     hits = delta(before, settled(lambda: hits_by_replica(kv_url)))
     for role in ("context", "generation"):
         per_replica = sorted((v for (_, r), v in hits.items() if r == role), reverse=True)
@@ -199,19 +202,24 @@ def same_on_both(clients: dict[str, openai.OpenAI], prompt: str, stream: bool, *
     return agg
 
 
-@pytest.mark.parametrize("sampling, seed", [(GREEDY, 300), ({"temperature": 0.8, "seed": 99,
+@pytest.mark.parametrize("sampling, seed", [(GREEDY, 302), ({"temperature": 0.8, "seed": 99,
                                                               "extra_body": {"ignore_eos": True}}, 400)],
                          ids=["greedy", "seeded"])
 def test_disagg_streams_exactly_what_aggregated_streams(sampling, seed, kv_url, clients, tokenizer):
-    """Token 0 from the context side, the rest from a generation replica: text, logprobs and usage
-    as aggregated, streamed or not; a request that token 0 ends (max_tokens=1, a stop string it
-    completes) never reaches a generation replica. Every prompt is new (uncached part > LOCAL_MAX),
-    except the stop prompts, sent once with max_tokens=1 first to learn token 0: then both apps
-    hold them in their prefix cache, and usage reports the same cached tokens."""
+    """The context side's handoff (token 0, or up to the first visible text), the rest from a
+    generation replica: text, logprobs and usage as aggregated, streamed or not; a request that
+    token 0 ends (max_tokens=1, a stop string it completes) never reaches a generation replica.
+    Every prompt is new (uncached part > LOCAL_MAX), except the stop prompts, sent once with
+    max_tokens=1 first to learn token 0: then both apps hold them in their prefix cache, and
+    usage reports the same cached tokens. The seeds give the first prompts a token 0 the
+    detokenizer holds back (half a character): the context side hands over several tokens."""
     prompts = iter(text(seed + i, 60) for i in range(100))
+    num_held_back = 0
     for stream in (False, True):
         reply = same_on_both(clients, next(prompts), stream, max_tokens=12, **sampling)
         assert reply["usage"]["completion_tokens"] == len(reply["tokens"]) == 12
+        num_held_back += reply["tokens"][0] == "\ufffd"  # after an ASCII prompt: part of a multi-byte character
+    assert num_held_back > 0, "no prompt covers a multi-token handoff"
     before = settled(lambda: counter_by_replica("prefix_cache_queries"))
     sent = [next(prompts)]
     assert same_on_both(clients, sent[-1], True, max_tokens=1, **sampling)["finish"] == "length"

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams
 from engine.config import EngineConfig, cpu_has_bf16, resolve_dtype
+from engine.handoff import kv_token_ids
 from engine.worker_model import WorkerModel
 from kvcache.slicing import slice_range
 from tests.engine.engine_fixtures import make_engine, run_to_completion
@@ -59,11 +60,11 @@ def tiny_bf16() -> WorkerModel:
 
 def transfer(context, generation, request_id, prompt, prefill) -> None:
     """Copy the windowed slice page by page, by ordinal (what a transport does)."""
-    assert generation.reserve_prefilled(request_id, prompt)
+    assert generation.reserve_prefilled(request_id, kv_token_ids(prompt, prefill.output_token_ids))
     for group in context.manager.spec.groups:
         src = prefill.block_ordinals[group.name]
         dst = generation.manager.get_block_ordinals(request_id, group.name)
-        for ordinal in slice_range(len(prompt), group.window, context.config.tokens_per_block):
+        for ordinal in slice_range(prefill.num_kv_tokens, group.window, context.config.tokens_per_block):
             if dst[ordinal] >= 0:
                 pages = generation.manager.storage.tensors[group.name]
                 pages[dst[ordinal]] = context.manager.storage.tensors[group.name][src[ordinal]]
@@ -82,7 +83,7 @@ def test_bf16_disaggregated_equals_aggregated(tiny_bf16, draft_len):
     for r, prompt in enumerate(prompts):
         prefill = prefill_to_park(context, f"r{r}", prompt, params).prefill
         transfer(context, generation, f"r{r}", prompt, prefill)
-        out[f"r{r}"] = generation.add_prefilled(f"r{r}", prompt, prefill.first_token_id, params)[0].new_token_ids
+        out[f"r{r}"] = generation.add_prefilled(f"r{r}", prompt, prefill.output_token_ids, params)[0].new_token_ids
     while generation.has_unfinished():
         for update in generation.step():
             out[update.request_id] += update.new_token_ids

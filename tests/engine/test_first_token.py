@@ -1,11 +1,12 @@
-"""A local prefill whose first token is given (``add_request(..., first_token=...)``): the
+"""A request resumed with its handed-over outputs given (``resume(..., output_token_ids)``): the
 generation side's fallback when a prompt's KV cannot be pulled. Its updates must be those
-``add_prefilled`` gives after a transfer of the same prompt: the given token first, then the
+``add_prefilled`` gives after a transfer of the same prompt: the given tokens first, then the
 same continuation, greedy or seeded, with drafts, and from a prefix-cache hit."""
 
 import pytest
 
 from engine import SamplingParams
+from engine.handoff import kv_token_ids
 from kvcache.slicing import slice_range
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
 from tests.engine.test_prefill import prefill_to_park
@@ -18,23 +19,31 @@ PROMPTS = [[(5 * i + 3 * r) % 256 for i in range(9 + 23 * r)] for r in range(3)]
 
 def transferred(context, generation, request_id, prompt, params, first_token=None):
     """Prefill on ``context``, copy the windowed slice by ordinal, ``add_prefilled`` on ``generation``
-    with the context's first token (or ``first_token``); every update of the request, in order."""
+    with the context's outputs (or ``first_token`` alone); every update of the request, in order."""
     prefill = prefill_to_park(context, request_id, prompt, params).prefill
-    assert generation.reserve_prefilled(request_id, prompt)
+    outputs, logprobs = prefill.output_token_ids, prefill.output_logprobs
+    if first_token is not None:
+        outputs, logprobs = [first_token[0]], [first_token[1]]
+    kv = kv_token_ids(prompt, outputs)
+    assert generation.reserve_prefilled(request_id, kv)
     for group in context.manager.spec.groups:
         src, dst = prefill.block_ordinals[group.name], generation.manager.get_block_ordinals(request_id, group.name)
         pages = generation.manager.storage.tensors[group.name]
-        for ordinal in slice_range(len(prompt), group.window, B):
+        for ordinal in slice_range(len(kv), group.window, B):
             if dst[ordinal] >= 0:
                 pages[dst[ordinal]] = context.manager.storage.tensors[group.name][src[ordinal]]
     context.abort(request_id)
-    token, logprob = first_token or (prefill.first_token_id, prefill.first_logprob)
-    updates = generation.add_prefilled(request_id, prompt, token, params, logprob)
+    updates = generation.add_prefilled(request_id, prompt, outputs, params, logprobs)
     return updates + drain(generation, request_id)
 
 
-def local(generation, request_id, prompt, params, first_token):
-    generation.add_request(request_id, prompt, params, first_token=first_token)
+def local(generation, request_id, prompt, params, given):
+    """``given`` (ids, logprobs): resumed with those outputs given; (id, logprob): one output; None: a plain request."""
+    if given is None:
+        generation.add_request(request_id, prompt, params)
+        return drain(generation, request_id)
+    ids, logprobs = given if isinstance(given[0], list) else ([given[0]], [given[1]])
+    generation.resume(request_id, prompt, ids, params, logprobs)
     return drain(generation, request_id)
 
 
@@ -66,7 +75,7 @@ def test_local_prefill_with_the_context_first_token_equals_the_transferred_run(t
     for r, prompt in enumerate(PROMPTS):
         reference = transferred(context, pulled, f"r{r}", prompt, params)
         first = reference[0]
-        given = (first.new_token_ids[0], first.logprobs[0] if first.logprobs else None)
+        given = (first.new_token_ids, first.logprobs or [None] * len(first.new_token_ids))
         got = local(fallback, f"r{r}", prompt, params, given)
         assert tokens(got) == tokens(reference) == aggregated[f"r{r}"]
         assert (got[0].new_token_ids, got[0].new_text, got[0].logprobs) == (
@@ -123,7 +132,7 @@ def test_given_first_token_survives_a_preemption_before_its_prefill_ends(tiny_mo
     expected = run_to_completion(make_engine(tiny_model, **kwargs), prompts, GREEDY)
     engine = make_engine(tiny_model, role="generation", **kwargs)
     for r, prompt in enumerate(prompts):
-        engine.add_request(f"r{r}", prompt, GREEDY, first_token=(expected[f"r{r}"][0], None))
+        engine.resume(f"r{r}", prompt, [expected[f"r{r}"][0]], GREEDY)
     got = {f"r{r}": [] for r in range(3)}
     while engine.has_unfinished():
         for update in engine.step():

@@ -37,7 +37,7 @@ def test_finish_reason_is_a_plain_string_outside():
 def test_parking_keeps_pages_at_their_positions(tiny_model):
     """P=60 in chunks of 16: the sliding group released blocks 0, 1 after the 48-token chunk; the rest stay bound."""
     engine = make_engine(tiny_model, role="context", tokens_per_block=B, max_num_batched_tokens=16)
-    prompt = [(7 * i) % 256 for i in range(60)]
+    prompt = [(7 * i + 1) % 256 for i in range(60)]  # token 0 shows text: k = 1 (test_handoff: k > 1)
     update = prefill_to_park(engine, "p", prompt)
     result = update.prefill
     assert result.block_ordinals == manager_tables(engine, "p")
@@ -52,8 +52,8 @@ def test_parking_keeps_pages_at_their_positions(tiny_model):
     engine.manager.check_integrity()
 
     alone = run_to_completion(make_engine(tiny_model, tokens_per_block=B), [prompt], SamplingParams(max_tokens=1))["r0"]
-    assert (result.request_id, result.num_prompt_tokens, result.first_token_id) == ("p", 60, alone[0])
-    assert update.new_token_ids == [alone[0]] and result.finish_reason is None and result.first_logprob is None
+    assert (result.request_id, result.num_prompt_tokens, result.output_token_ids[0]) == ("p", 60, alone[0])
+    assert update.new_token_ids == [alone[0]] and result.finish_reason is None and result.output_logprobs[0] is None
 
 
 def test_parked_pages_survive_other_requests_and_abort_frees_them(tiny_model):
@@ -92,12 +92,12 @@ def test_abort_frees_every_page_wherever_the_request_is(tiny_model, stage):
 def test_first_token_that_ends_the_request_is_reported(tiny_model):
     engine = make_engine(tiny_model, role="context", tokens_per_block=B)
     prompt = [72, 105, 33]
-    first = prefill_to_park(engine, "a", prompt).prefill.first_token_id
+    first = prefill_to_park(engine, "a", prompt).prefill.output_token_ids[0]
     length = prefill_to_park(engine, "b", prompt, SamplingParams(max_tokens=1)).prefill
     stopped = prefill_to_park(engine, "c", prompt, SamplingParams(stop_token_ids=(first,), logprobs=2)).prefill
-    assert (length.first_token_id, length.finish_reason) == (first, FinishReason.LENGTH)
-    assert (stopped.first_token_id, stopped.finish_reason) == (first, FinishReason.STOP)
-    assert stopped.first_logprob.token_id == first and len(stopped.first_logprob.top) == 2
+    assert (length.output_token_ids[0], length.finish_reason) == (first, FinishReason.LENGTH)
+    assert (stopped.output_token_ids[0], stopped.finish_reason) == (first, FinishReason.STOP)
+    assert stopped.output_logprobs[0].token_id == first and len(stopped.output_logprobs[0].top) == 2
     for request_id in ("a", "b", "c"):  # parked whatever the reason, until aborted
         assert engine.manager.has_request(request_id)
         engine.abort(request_id)
