@@ -276,8 +276,12 @@ async def stream_one(http: httpx.AsyncClient, url: str, body: dict, first_seen: 
 def test_one_of_two_context_replicas_killed_under_20_requests_loses_none(kv_url):
     """Issue #13's check: 20 concurrent streamed requests, one of the two context replicas killed
     as soon as the first token 0 arrives; every request completes. The kill must hit work in
-    flight: requests still without token 0 when it happened, and fallbacks (the ingress's to a
-    generation replica, or a generation worker's own prefill when its pull failed) that grew.
+    flight: requests still without token 0 when it happened (19 of 20 here, about half of them
+    on the victim). Those are redone either as fallbacks (the ingress's to a generation replica,
+    or a generation worker's own prefill when its pull failed) or, where the ingress's router had
+    not yet heard the dead replica accept them, re-sent by Serve to the other context replica:
+    2-5 fallbacks in three runs, and 0 in one run of the single-replica kill in
+    tests/reliability, so the split is reported, not asserted.
     Runs last in the module: it leaves a context replica being replaced."""
     victims = context_replica_names()
     assert len(victims) == 2
@@ -298,6 +302,5 @@ def test_one_of_two_context_replicas_killed_under_20_requests_loses_none(kv_url)
     assert [o["ok"] for o in outcomes] == [True] * 20, [o["last"] for o in outcomes if not o["ok"]]
     late = sum(o["token_0_after_kill"] for o in outcomes)
     assert late > 0, "every request had its token 0 before the kill"
-    assert wait_until(lambda: fallbacks(kv_url) > before, timeout_s=10), "the kill hit no request in flight"
     print(f"\nkilled 1 of 2 context replicas under 20 requests: 20 ok, {late} without token 0 at the kill, "
           f"{fallbacks(kv_url) - before:.0f} fallbacks")
