@@ -1,52 +1,89 @@
 """How many drafts to verify this step: the length that maximises expected tokens per second.
 
-With per-draft acceptance ``a`` (the request's own record, Laplace-smoothed) a
-verify step with ``k`` drafts emits on average ``E(k) = (1 - a**(k+1)) / (1 - a)``
-tokens, and a forward pass over ``n`` query tokens costs ``t0 + t1 * n``
-(fitted online from the runner's own step times), so per request::
+With per-draft acceptance ``a`` a verify step with ``k`` drafts emits on average
+``E(k) = (1 - a**(k+1)) / (1 - a)`` tokens. A step over ``n`` query tokens, ``d`` of
+its requests drafting, costs ``t0 + t1 * n + td * d`` (fitted online from the
+engine's own step times: ``td`` is what drafting adds besides the tokens, the
+proposal and the verify sampling, which on a small model outweighs the tokens).
+So per request::
 
-    k* = argmax_k  E(k) / (t0 + t1 * (1 + k))            k in 0 .. max_draft_len
+    k* = argmax_k  E(k) / (t0 + t1 * (1 + k) + td * [k > 0])        k in 0 .. max_draft_len
+
+``a`` is the request's own record, Laplace-smoothed, plus an exploration bonus
+that grows with the steps it has run and shrinks with the drafts it has had
+verified (UCB-style)::
+
+    a = (accepted + 1) / (proposed + 2) + EXPLORE * sqrt(ln(1 + steps) / (proposed + 2))
+
+Without the bonus two early rejections stop a request drafting for good (its
+record never changes again), even where its text turns repetitive later; with
+it a request that stopped probes again, ever more rarely while drafts keep failing.
 
 On a CPU a verify pass of a MoE model reads more experts than a 1-token pass
 (``t1`` is large): drafts pay only when they are usually accepted, and random
-text (low ``a``) drafts nothing. Outputs never change: greedy verification
+text (low ``a``) drafts little. Outputs never change: greedy verification
 emits what sequential decoding would, whatever ``k``.
 """
 
 from __future__ import annotations
+
+import math
 
 # Before the fit has seen two different step sizes: t1 / t0 as measured for a
 # 1-token decode step of a small model on one CPU thread (about 0.3).
 _PRIOR_TOKEN_COST = 0.3
 _DECAY = 0.97  # weight of older step times in the fit
 _MARGIN = 1.03  # a longer draft must promise this much more: the fit is noisy and a wasted verify is not free
+EXPLORE = 0.2  # the bonus's weight: gptoss-mid repetitive 1.28-1.39x wall at 0.2-0.4 against 1.04-1.20x at 0
 
 
 class StepCost:
-    """Least-squares line ``seconds = t0 + t1 * num_tokens`` over exponentially weighted steps."""
+    """Least squares ``seconds = t0 + t1 * num_tokens + td * num_drafting`` over exponentially
+    weighted steps; the line ``t0 + t1 * num_tokens`` (``td`` = 0) until drafting steps vary."""
 
     def __init__(self) -> None:
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._w = 0.0
+        self._xx = [[0.0] * 3 for _ in range(3)]  # weighted sums of x x^T, x = (1, num_tokens, num_drafting)
+        self._xy = [0.0] * 3  # weighted sums of x * seconds
 
-    def record(self, num_tokens: int, seconds: float) -> None:
-        d = _DECAY
+    def record(self, num_tokens: int, seconds: float, num_drafting: int = 0) -> None:
+        d, x = _DECAY, (1.0, float(num_tokens), float(num_drafting))
         self._w = d * self._w + 1
-        self._x = d * self._x + num_tokens
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + num_tokens * num_tokens
-        self._xy = d * self._xy + num_tokens * seconds
+        for i in range(3):
+            self._xy[i] = d * self._xy[i] + x[i] * seconds
+            for j in range(3):
+                self._xx[i][j] = d * self._xx[i][j] + x[i] * x[j]
+
+    def ratios(self) -> tuple[float, float]:
+        """``(t1 / t0, td / t0)``: one more query token, and drafting, in units of a step's fixed cost."""
+        fit = _solve(self._xx, self._xy) if self._w >= 6 else None
+        if fit is not None and fit[0] > 0 and fit[1] >= 0 and fit[2] >= 0:
+            return fit[1] / fit[0], fit[2] / fit[0]
+        return self.token_cost_ratio(), 0.0
 
     def token_cost_ratio(self) -> float:
-        """``t1 / t0``: what one more query token costs, in units of a step's fixed cost."""
-        w, x, y = self._w, self._x, self._y
-        spread = w * self._xx - x * x
+        """``t1 / t0`` of the line alone (drafting ignored)."""
+        w, x, y = self._w, self._xx[0][1], self._xy[0]
+        spread = w * self._xx[1][1] - x * x
         if w < 4 or spread <= 1e-9 * w * w:
             return _PRIOR_TOKEN_COST
-        t1 = (w * self._xy - x * y) / spread
+        t1 = (w * self._xy[1] - x * y) / spread
         t0 = (y - t1 * x) / w
         if t0 <= 0 or t1 < 0:  # noise, not a cost model
             return _PRIOR_TOKEN_COST
         return t1 / t0
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """``a x = b`` for 3 x 3 ``a`` (Cramer's rule); None when ``a`` is (nearly) singular."""
+    def det(m: list[list[float]]) -> float:
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    d = det(a)
+    scale = a[0][0] * a[1][1] * a[2][2]
+    if scale <= 0 or abs(d) <= 1e-6 * scale:
+        return None
+    return [det([[b[r] if c == i else a[r][c] for c in range(3)] for r in range(3)]) / d for i in range(3)]
 
 
 class DraftLengthPolicy:
@@ -55,20 +92,24 @@ class DraftLengthPolicy:
         self.cost = StepCost()
 
     def record_step(self, scheduled: list, seconds: float) -> None:
-        """A whole engine step's time, if it only decoded or verified (prefill chunks would flatten the fit).
+        """A whole engine step's time (proposals and sampling included), if it only decoded or
+        verified (prefill chunks would flatten the fit).
 
         On a GPU the step ends with the sampler's host sync, so its time is the device's too.
         """
         if all(item.num_new_tokens == 1 for item in scheduled):
-            self.cost.record(sum(item.num_query_tokens for item in scheduled), seconds)
+            num_drafting = sum(bool(item.draft_token_ids) for item in scheduled)
+            self.cost.record(sum(item.num_query_tokens for item in scheduled), seconds, num_drafting)
 
-    def draft_len(self, num_accepted: int, num_proposed: int) -> int:
-        """The best ``k`` for a request that had ``num_accepted`` of ``num_proposed`` drafts accepted."""
-        accept = min((num_accepted + 1) / (num_proposed + 2), 0.98)
-        ratio = self.cost.token_cost_ratio()
-        best_k, best_rate = 0, 1 / (1 + ratio)
+    def draft_len(self, num_accepted: int, num_proposed: int, num_steps: int = 0) -> int:
+        """The best ``k`` for a request that had ``num_accepted`` of ``num_proposed`` drafts
+        accepted over ``num_steps`` steps (its outputs so far)."""
+        bonus = EXPLORE * math.sqrt(math.log(1 + num_steps) / (num_proposed + 2))
+        accept = min((num_accepted + 1) / (num_proposed + 2) + bonus, 0.98)
+        token, drafting = self.cost.ratios()
+        best_k, best_rate = 0, 1 / (1 + token)
         for k in range(1, self.max_draft_len + 1):
-            rate = (1 - accept ** (k + 1)) / (1 - accept) / (1 + ratio * (1 + k))
+            rate = (1 - accept ** (k + 1)) / (1 - accept) / (1 + token * (1 + k) + drafting)
             if rate > best_rate * _MARGIN:
                 best_k, best_rate = k, rate
         return best_k

@@ -145,7 +145,8 @@ class Scheduler:
         left_in_model = self.config.max_model_len - request.num_tokens - 1
         wanted = self.config.draft_len
         if self.draft_policy is not None:
-            wanted = min(wanted, self.draft_policy.draft_len(request.num_drafts_accepted, request.num_drafts_proposed))
+            wanted = min(wanted, self.draft_policy.draft_len(request.num_drafts_accepted, request.num_drafts_proposed,
+                                                             request.num_output_tokens))
         return max(0, min(wanted, budget, left_in_request, left_in_model))
 
     # -- endings ---------------------------------------------------------

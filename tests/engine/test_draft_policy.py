@@ -31,3 +31,34 @@ def test_unfitted_cost_uses_the_prior():
     for _ in range(10):
         cost.record(1, 0.01)  # one step size only: no slope to fit
     assert 0 < cost.token_cost_ratio() < 1
+
+
+def test_fit_separates_the_drafting_overhead():
+    """Steps with and without drafting requests: the fit recovers t1 / t0 and td / t0."""
+    cost = StepCost()
+    for n, d in ((1, 0), (2, 1), (3, 1), (1, 0), (5, 1), (4, 2), (6, 2), (1, 0)):
+        cost.record(n, 2.0 + 0.5 * n + 0.8 * d, num_drafting=d)
+    token, drafting = cost.ratios()
+    assert abs(token - 0.25) < 1e-6 and abs(drafting - 0.4) < 1e-6
+
+
+def test_drafting_overhead_can_outweigh_cheap_tokens():
+    """Verify tokens nearly free: 30% acceptance drafts; the same with drafting costing most of a step does not."""
+    policy = DraftLengthPolicy(4)
+    for n, d in ((1, 0), (2, 1), (3, 1), (1, 0), (5, 1), (4, 2), (6, 2), (1, 0)):
+        policy.cost.record(n, 1.0 + 0.05 * n, num_drafting=d)
+    assert policy.draft_len(num_accepted=29, num_proposed=100) >= 1
+    policy.cost = StepCost()
+    for n, d in ((1, 0), (2, 1), (3, 1), (1, 0), (5, 1), (4, 2), (6, 2), (1, 0)):
+        policy.cost.record(n, 1.0 + 0.05 * n + 0.9 * d, num_drafting=d)
+    assert policy.draft_len(num_accepted=29, num_proposed=100) == 0
+
+
+def test_a_request_that_stopped_drafting_probes_again_ever_more_rarely():
+    """Two early rejections stop drafting for now, not for good: later steps probe again; a
+    request whose probes keep failing (random text) stops for good."""
+    policy = DraftLengthPolicy(4)
+    assert policy.draft_len(num_accepted=0, num_proposed=2, num_steps=0) == 0
+    assert policy.draft_len(num_accepted=0, num_proposed=2, num_steps=5) >= 1
+    assert [policy.draft_len(0, 10, steps) for steps in (5, 48, 1000)] == [0, 0, 0]
+    assert policy.draft_len(num_accepted=0, num_proposed=40, num_steps=10_000) == 0
