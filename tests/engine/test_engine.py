@@ -48,7 +48,7 @@ def test_speculative_seeded_output_is_identical(tiny_model, draft_len):
     base = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, params)
     engine = make_engine(tiny_model, tokens_per_block=8, max_draft_len=draft_len)
     # always the longest draft (the adaptive policy drafts nothing where acceptance is low)
-    engine.scheduler.draft_policy.draft_len = lambda num_accepted, num_proposed: draft_len
+    engine.scheduler.draft_policy.draft_len = lambda num_accepted, num_proposed, num_steps: draft_len
     assert run_to_completion(engine, prompts, params) == base
     assert engine.num_drafts_accepted > 0  # speculation really ran, and some drafts passed
 
