@@ -144,15 +144,19 @@ def throughput(model: str, path: str, prompts: list[list[int]], mode: dict, reps
 
 # -- 2. speculative decoding -------------------------------------------------------------------
 
-def speculative(model: str, path: str, mode: dict, reps: int, text: str, draft_len: int = 4) -> dict:
+def speculative(model: str, path: str, mode: dict, reps: int, text: str, draft_len: int = 4,
+                policy: dict | None = None) -> dict:
     """``text``: "repetitive" (n-gram drafts should pay) or "random" (they must not cost: the
-    engine's adaptive draft length turns them off where acceptance is low)."""
+    engine's adaptive draft length turns them off where acceptance is low). ``policy``:
+    attributes to set on the drafting engine's ``DraftLengthPolicy`` (``bench.spec_ab``)."""
     if text == "repetitive":
         prompts = repetitive_prompts(mode["spec_prompts"])
     else:
         prompts = mixed_prompts(mode["spec_prompts"], (48, 160), seed=3)
     llms = {d: make_llm(path, 1, max(map(len, prompts)), mode["spec_tokens"], max_draft_len=d) for d in (0, draft_len)}
     params = SamplingParams(max_tokens=mode["spec_tokens"], ignore_eos=True)
+    for name, value in (policy or {}).items():
+        setattr(llms[draft_len].engine.scheduler.draft_policy, name, value)
 
     def run(d: int):
         before = llms[d].engine.runner.num_forward_passes

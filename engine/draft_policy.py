@@ -87,8 +87,13 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 class DraftLengthPolicy:
-    def __init__(self, max_draft_len: int) -> None:
+    """``explore`` = 0 and ``fit_drafting`` = False give the policy before the bonus and the
+    drafting term (``bench.spec_ab`` measures the two side by side)."""
+
+    def __init__(self, max_draft_len: int, explore: float = EXPLORE, fit_drafting: bool = True) -> None:
         self.max_draft_len = max_draft_len
+        self.explore = explore
+        self.fit_drafting = fit_drafting
         self.cost = StepCost()
 
     def record_step(self, scheduled: list, seconds: float) -> None:
@@ -104,9 +109,9 @@ class DraftLengthPolicy:
     def draft_len(self, num_accepted: int, num_proposed: int, num_steps: int = 0) -> int:
         """The best ``k`` for a request that had ``num_accepted`` of ``num_proposed`` drafts
         accepted over ``num_steps`` steps (its outputs so far)."""
-        bonus = EXPLORE * math.sqrt(math.log(1 + num_steps) / (num_proposed + 2))
+        bonus = self.explore * math.sqrt(math.log(1 + num_steps) / (num_proposed + 2))
         accept = min((num_accepted + 1) / (num_proposed + 2) + bonus, 0.98)
-        token, drafting = self.cost.ratios()
+        token, drafting = self.cost.ratios() if self.fit_drafting else (self.cost.token_cost_ratio(), 0.0)
         best_k, best_rate = 0, 1 / (1 + token)
         for k in range(1, self.max_draft_len + 1):
             rate = (1 - accept ** (k + 1)) / (1 - accept) / (1 + token * (1 + k) + drafting)

@@ -62,3 +62,10 @@ def test_a_request_that_stopped_drafting_probes_again_ever_more_rarely():
     assert policy.draft_len(num_accepted=0, num_proposed=2, num_steps=5) >= 1
     assert [policy.draft_len(0, 10, steps) for steps in (5, 48, 1000)] == [0, 0, 0]
     assert policy.draft_len(num_accepted=0, num_proposed=40, num_steps=10_000) == 0
+
+
+def test_the_previous_policy_never_probes_again():
+    """``explore=0, fit_drafting=False`` (bench.spec_ab's "previous"): two rejections stop it for good."""
+    previous = DraftLengthPolicy(4, explore=0.0, fit_drafting=False)
+    assert [previous.draft_len(0, 2, steps) for steps in (0, 5, 1000)] == [0, 0, 0]
+    assert DraftLengthPolicy(4).draft_len(0, 2, 5) >= 1
