@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from engine.outputs import RequestUpdate, TokenLogprob
+from engine.outputs import RequestUpdate, TokenLogprob, num_kv_tokens
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class KVHandle:
     @property
     def num_kv_tokens(self) -> int:
         """Positions whose KV the context side holds for the transfer: ``[0, prompt_len + k - 1)``."""
-        return self.prompt_len + len(self.output_token_ids) - 1
+        return num_kv_tokens(self.prompt_len, len(self.output_token_ids))
 
 
 @dataclass(frozen=True)

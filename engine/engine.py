@@ -34,7 +34,7 @@ from engine.draft_policy import DraftLengthPolicy
 from engine.drafter import make_drafter
 from engine.handoff import is_handoff_due, prefill_result, reused_tokens
 from engine.layout import kv_cache_spec
-from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogprob
+from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogprob, num_kv_tokens
 from engine.params import SamplingParams
 from engine.reports import engine_stats, routing_stats
 from engine.request import Request
@@ -145,7 +145,7 @@ class LLMEngine:
         ``reserve_prefilled`` bound. Its first update repeats the handed-over outputs (the stop
         checks and text see them all); ``logprobs``: the context side's, one per output;
         ``num_cached_tokens``: the context side's prefix-cache hit, reported in usage."""
-        num_kv = len(prompt_token_ids) + len(output_token_ids) - 1
+        num_kv = num_kv_tokens(len(prompt_token_ids), len(output_token_ids))
         if not output_token_ids or self.manager.num_tokens(request_id) != num_kv:
             raise ValueError(f"request {request_id!r}: reserved {self.manager.num_tokens(request_id)} tokens, "
                              f"the handoff has {num_kv} ({len(output_token_ids)} outputs)")

@@ -14,7 +14,8 @@ It parks once the text is visible, the request finishes, or it has
 
 k = 1 is the plain handoff (KV of the prompt, token 0 pending). Everything that
 sizes the transfer (``kvcache.slicing``, the generation side's reservation and
-prefix-cache hashes) counts ``num_kv_tokens``, never the prompt alone.
+prefix-cache hashes) counts ``num_kv_tokens`` (``engine.outputs.num_kv_tokens``),
+never the prompt alone.
 """
 
 from __future__ import annotations
@@ -29,13 +30,8 @@ from kvcache import KVCacheManager
 HANDOFF_MAX_TOKENS = 4
 
 
-def num_kv_tokens(num_prompt_tokens: int, num_output_tokens: int) -> int:
-    """Tokens whose KV travels: the prompt and every handed-over output but the last."""
-    return num_prompt_tokens + num_output_tokens - 1
-
-
 def kv_token_ids(prompt_token_ids: list[int], output_token_ids: list[int]) -> list[int]:
-    """The ids of those tokens (the generation side names its reserved blocks by them)."""
+    """The ids of the ``num_kv_tokens`` tokens (the generation side names its reserved blocks by them)."""
     return list(prompt_token_ids) + list(output_token_ids[:-1])
 
 

@@ -35,6 +35,12 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def num_kv_tokens(num_prompt_tokens: int, num_output_tokens: int) -> int:
+    """Tokens whose KV a handoff of ``num_output_tokens`` outputs carries (``engine.handoff``):
+    the prompt and every output but the last, whose KV the receiving side computes."""
+    return num_prompt_tokens + num_output_tokens - 1
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     """A prefill-only request parked after its handoff, its pages kept for a transfer.
@@ -66,7 +72,7 @@ class PrefillResult:
     @property
     def num_kv_tokens(self) -> int:
         """Tokens whose KV is written: the prompt and every output but the last."""
-        return self.num_prompt_tokens + len(self.output_token_ids) - 1
+        return num_kv_tokens(self.num_prompt_tokens, len(self.output_token_ids))
 
 
 @dataclass
