@@ -45,10 +45,12 @@ class StepCost:
         self._w = 0.0
         self._xx = [[0.0] * 3 for _ in range(3)]  # weighted sums of x x^T, x = (1, num_tokens, num_drafting)
         self._xy = [0.0] * 3  # weighted sums of x * seconds
+        self._ratios: tuple[float, float] | None = None  # solved once per recorded step, not per request
 
     def record(self, num_tokens: int, seconds: float, num_drafting: int = 0) -> None:
         d, x = _DECAY, (1.0, float(num_tokens), float(num_drafting))
         self._w = d * self._w + 1
+        self._ratios = None
         for i in range(3):
             self._xy[i] = d * self._xy[i] + x[i] * seconds
             for j in range(3):
@@ -56,6 +58,11 @@ class StepCost:
 
     def ratios(self) -> tuple[float, float]:
         """``(t1 / t0, td / t0)``: one more query token, and drafting, in units of a step's fixed cost."""
+        if self._ratios is None:
+            self._ratios = self._fit()
+        return self._ratios
+
+    def _fit(self) -> tuple[float, float]:
         fit = _solve(self._xx, self._xy) if self._w >= 6 else None
         if fit is not None and fit[0] > 0 and fit[1] >= 0 and fit[2] >= 0:
             return fit[1] / fit[0], fit[2] / fit[0]
