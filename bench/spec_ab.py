@@ -5,7 +5,7 @@
 For each rep, both policies in turn (the current one; ``explore=0,
 fit_drafting=False``: the policy before the exploration bonus and the drafting
 term), each on gptoss-mid and windserve-tiny, repetitive and random text, batch 1,
-``bench.engine.speculative`` (no drafts vs up to 4 n-gram drafts, outputs must be
+``bench.engine_spec.speculative`` (no drafts vs up to 4 n-gram drafts, outputs must be
 identical). Prints every wall ratio (no drafts / drafts) and the medians; writes
 ``spec_ab.json``.
 """
@@ -17,8 +17,9 @@ import statistics
 import tempfile
 
 from bench.common import parse_args, progress, torch_threads, write_json
-from bench.engine import MODES, speculative
+from bench.engine import MODES
 from bench.engine_models import available_models
+from bench.engine_spec import speculative
 
 POLICIES = {"current": {}, "previous": {"explore": 0.0, "fit_drafting": False}}
 CASES = (("gptoss-mid", "repetitive"), ("gptoss-mid", "random"),
