@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import GroupAttention, build_group_attention, paged_attention
 from engine.forward import ForwardBatch
 from engine.layout import LayerSlot, head_dim, layer_slots, num_kv_heads
 from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
+from engine.models.packed import can_pack, linear, pack
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,13 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         # A tied checkpoint may still carry lm_head.weight: it is the embedding, drop it.
         self.register_load_state_dict_pre_hook(self._drop_tied_head)
+        self.packed_head: torch.Tensor | None = None
+
+    def pack_weights(self, min_elements: int) -> None:
+        """A tied LM head (the embedding) packed for oneDNN; an untied ``lm_head`` is an ``nn.Linear``
+        that engine.models.packed.pack_for_cpu packs itself."""
+        head = self.model.embed_tokens.weight
+        self.packed_head = pack(head) if self.tie_word_embeddings and can_pack(head, min_elements) else None
 
     def _make_layer(self, hf_config, slot: LayerSlot) -> DecoderLayer:
         attn = PagedSelfAttention(hf_config, slot, self.attention_options(hf_config))
@@ -126,8 +133,9 @@ class DecoderForCausalLM(nn.Module):
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
         hidden = self.model.norm(hidden)
-        head = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        if self.tie_word_embeddings:
+            return linear(hidden, self.model.embed_tokens.weight, None, self.packed_head).float()
+        return self.lm_head(hidden).float()
 
     def _context(self, batch: ForwardBatch) -> ForwardContext:
         device = batch.input_ids.device

@@ -20,6 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.decoder import AttentionOptions, DecoderForCausalLM
+from engine.models.packed import can_pack, matmul_in_out, pack
+
+# Rows of one expert chunk: gate_up [256, 2I] of a mid-sized model stays in L2 between the
+# matmul and the activation (measured 15% less than one pass over all rows at 4,096 rows).
+_CHUNK_ROWS = 256
+_IN_PLACE_ELEMENTS = 1 << 16
 
 
 class TopKRouter(nn.Module):
@@ -44,24 +50,34 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.alpha = alpha
         self.limit = limit
+        self.packed: dict[str, list[torch.Tensor]] = {}  # weight name -> per expert (engine.models.packed)
 
-    def _grouped_addmm(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                       counts: list[int]) -> torch.Tensor:
-        """``rows`` sorted by expert, ``counts[e]`` rows each: one addmm per active expert, concatenated.
+    def pack_weights(self, min_elements: int) -> None:
+        """Each expert's two weights, packed for oneDNN (float32 on the CPU only)."""
+        if can_pack(self.gate_up_proj[0], min_elements) and can_pack(self.down_proj[0], min_elements):
+            self.packed = {name: [pack(w.t()) for w in getattr(self, name)] for name in ("gate_up_proj", "down_proj")}
 
-        (torch._grouped_mm computes the same on the CPU but measured no faster than this loop.)
-        """
-        outputs, start = [], 0
-        for expert, count in enumerate(counts):
-            if count:
-                outputs.append(torch.addmm(bias[expert], rows[start : start + count], weight[expert]))
-                start += count
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    def _matmul(self, rows: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        packed = self.packed.get(name)
+        return matmul_in_out(rows, getattr(self, name)[expert], getattr(self, f"{name}_bias")[expert],
+                             packed[expert] if packed else None)
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate = gate_up[:, 0::2].clamp(max=self.limit)
-        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        """The same operations, in the same order, as transformers: ``glu = gate * sigmoid(gate * alpha)``,
+        then ``(up + 1) * glu``; one new tensor besides the two clamped halves.
+
+        A large chunk is clamped in place in ``gate_up`` (its halves are stride-2 views, which
+        elementwise ops cannot vectorise, but new tensors of that size cost more in page faults):
+        measured [256, 1024] 0.49 ms in place against 1.2 ms with copies; [64, 1024] 141 us
+        against 67 us.
+        """
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+        if gate_up.numel() >= _IN_PLACE_ELEMENTS:
+            gate, up = gate.clamp_(max=self.limit), up.clamp_(min=-self.limit, max=self.limit)
+        else:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        glu = torch.mul(gate, self.alpha).sigmoid_().mul_(gate)
+        return glu.mul_(up.add_(1))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H]; experts / weights [N, k] -> sum over k of weight * expert(x), [N, H].
@@ -72,18 +88,44 @@ class Experts(nn.Module):
             expert         0   |  1  |  2
             token        order[row] // k
 
-        Two matmuls per active expert; the activation and the routing weights run once over all rows.
+        Experts are taken in chunks of at least ``_CHUNK_ROWS`` rows (a decode step's few rows:
+        one chunk; a prefill: about one expert each): two matmuls per expert, the activation once
+        per chunk while its rows are still in cache, and the weighted rows copied straight back
+        to (token, choice) order.
         """
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)
         counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
-        routed = x[order // experts.shape[1]]
-        hidden = self._activation(self._grouped_addmm(routed, self.gate_up_proj, self.gate_up_proj_bias, counts))
-        down = self._grouped_addmm(hidden, self.down_proj, self.down_proj_bias, counts)
-        weighted = down * weights.flatten()[order, None]
-        # Back to (token, choice) order and a plain sum over the k choices: deterministic, unlike index_add_ on GPU.
-        per_choice = torch.empty_like(weighted).index_copy_(0, order, weighted)
+        routed, row_weights = x[order // experts.shape[1]], weights.flatten()[order, None]
+        per_choice = torch.empty_like(routed)
+        for first, last in _chunks(counts):
+            starts = [sum(counts[:first])]
+            for count in counts[first:last]:
+                starts.append(starts[-1] + count)
+            active = [(e, a, b) for e, a, b in zip(range(first, last), starts, starts[1:]) if b > a]
+            if not active:
+                continue
+            gate_up = [self._matmul(routed[a:b], "gate_up_proj", e) for e, a, b in active]
+            hidden = self._activation(torch.cat(gate_up) if len(gate_up) > 1 else gate_up[0])
+            down = [self._matmul(hidden[a - starts[0]:b - starts[0]], "down_proj", e) for e, a, b in active]
+            down = torch.cat(down) if len(down) > 1 else down[0]
+            rows = slice(starts[0], starts[-1])
+            per_choice.index_copy_(0, order[rows], down.mul_(row_weights[rows]))
+        # A plain sum over the k choices: deterministic, unlike index_add_ on GPU.
         return per_choice.view(x.shape[0], -1, x.shape[1]).sum(dim=1).to(x.dtype)
+
+
+def _chunks(counts: list[int]) -> list[tuple[int, int]]:
+    """Consecutive expert ranges ``[first, last)`` of at least ``_CHUNK_ROWS`` rows each (the last may have fewer)."""
+    chunks, first, rows = [], 0, 0
+    for expert, count in enumerate(counts):
+        rows += count
+        if rows >= _CHUNK_ROWS:
+            chunks.append((first, expert + 1))
+            first, rows = expert + 1, 0
+    if rows or not chunks:
+        chunks.append((first, len(counts)))
+    return chunks
 
 
 class MoeMLP(nn.Module):
