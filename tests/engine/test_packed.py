@@ -60,7 +60,7 @@ def test_pack_for_cpu_packs_large_float32_linears_only():
     torch.testing.assert_close(model[0](x), F.linear(x, state["0.weight"], state["0.bias"]), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 5, 700])  # 700 x top-2 rows: several expert chunks, in-place activation
+@pytest.mark.parametrize("num_tokens", [1, 5, 700])  # 700 x top-2 rows: several expert chunks
 def test_packed_experts_equal_unpacked(num_tokens):
     torch.manual_seed(0)
     plain, packed = Experts(64, 48, 4, alpha=1.702, limit=7.0), Experts(64, 48, 4, alpha=1.702, limit=7.0)
