@@ -181,11 +181,12 @@ def paged_attention(
         token_rows.index_copy_(0, meta.write_rows + row * block_size, new.reshape(num_tokens, -1).to(kv_cache.dtype))
     page_rows = kv_cache.view(-1, block_size * token_rows.shape[1])
     out = torch.empty_like(query)
-    for b in meta.buckets:
+    for b in meta.buckets:  # index_select / index_copy_, not [...]: advanced indexing measured ~6x slower on the CPU
         keys = _gather(page_rows, b, k_row, key.shape[1:]).to(query.dtype)
         values = _gather(page_rows, b, k_row + 1, key.shape[1:]).to(query.dtype)
-        result = attend(query[b.query_rows], keys, values, b.mask, scale, sinks)
-        out[b.out_tokens] = result.flatten(0, 1)[b.out_rows]
+        queries = query.index_select(0, b.query_rows.flatten()).view(*b.query_rows.shape, *query.shape[1:])
+        result = attend(queries, keys, values, b.mask, scale, sinks)
+        out.index_copy_(0, b.out_tokens, result.flatten(0, 1).index_select(0, b.out_rows))
     return out
 
 

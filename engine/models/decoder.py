@@ -131,7 +131,7 @@ class DecoderForCausalLM(nn.Module):
         for layer in self.model.layers:
             hidden = layer(hidden, ctx)
         if batch.logits_indices is not None:
-            hidden = hidden[batch.logits_indices]
+            hidden = hidden.index_select(0, batch.logits_indices)
         hidden = self.model.norm(hidden)
         if self.tie_word_embeddings:
             return linear(hidden, self.model.embed_tokens.weight, None, self.packed_head).float()
