@@ -28,6 +28,8 @@ def speculative(model: str, path: str, mode: dict, reps: int, text: str, draft_l
         outputs, wall, cpu = timed_cpu(llms[d].generate, prompt_token_ids=prompts, sampling_params=params)
         return outputs, wall, cpu, llms[d].engine.runner.num_forward_passes - before
 
+    for d in llms:  # warm-up, not timed: the process's first forward passes at these shapes cost more
+        llms[d].generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
     progress(f"speculative {model}: {reps} x (no drafts, {draft_len} drafts) on {len(prompts)} {text} prompts, "
              "one at a time")
     runs = interleave(reps, {"plain": lambda: run(0), "draft": lambda: run(draft_len)})

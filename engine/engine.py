@@ -226,6 +226,8 @@ class LLMEngine:
                                      reseed=lambda row: seed_for_output(request, ahead=row))
         request.num_drafts_proposed += len(item.draft_token_ids)
         request.num_drafts_accepted += result.num_accepted
+        if self.scheduler.draft_policy is not None:
+            self.scheduler.draft_policy.record_verify(len(item.draft_token_ids), result.num_accepted)
         self.num_drafts_proposed += len(item.draft_token_ids)
         self.num_drafts_accepted += result.num_accepted
         request.num_computed_tokens += result.num_accepted

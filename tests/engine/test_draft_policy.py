@@ -69,3 +69,33 @@ def test_the_previous_policy_never_probes_again():
     previous = DraftLengthPolicy(4, explore=0.0, fit_drafting=False)
     assert [previous.draft_len(0, 2, steps) for steps in (0, 5, 1000)] == [0, 0, 0]
     assert DraftLengthPolicy(4).draft_len(0, 2, 5) >= 1
+
+
+def test_a_new_request_starts_from_the_engines_recent_acceptance():
+    """Drafts cost 15% of a step: a new request's first draft depends on what earlier requests saw."""
+    random_text, repetitive, fixed = (DraftLengthPolicy(4), DraftLengthPolicy(4),
+                                      DraftLengthPolicy(4, shared_prior=False))
+    for policy in (random_text, repetitive, fixed):
+        policy.cost = fitted(1.0, 0.15)
+    for _ in range(60):  # earlier requests: one draft per verify, 10% accepted / 90% accepted
+        for i in range(10):
+            random_text.record_verify(1, int(i == 0))
+            repetitive.record_verify(1, int(i != 0))
+            fixed.record_verify(1, int(i == 0))
+    assert abs(random_text.prior_acceptance() - 0.1) < 0.01 and abs(repetitive.prior_acceptance() - 0.9) < 0.01
+    assert random_text.draft_len(num_accepted=0, num_proposed=0, num_steps=0) == 0
+    assert repetitive.draft_len(num_accepted=0, num_proposed=0, num_steps=0) >= 2
+    assert fixed.prior_acceptance() == 0.5 and fixed.draft_len(num_accepted=0, num_proposed=0, num_steps=0) >= 1
+    # a request's own record still decides once it has one
+    assert random_text.draft_len(num_accepted=19, num_proposed=20, num_steps=20) >= 2
+    assert repetitive.draft_len(num_accepted=0, num_proposed=30, num_steps=30) == 0
+
+
+def test_the_engines_acceptance_follows_recent_drafts():
+    policy = DraftLengthPolicy(4)
+    assert policy.prior_acceptance() == 0.5
+    policy.record_verify(1, 0)
+    assert abs(policy.prior_acceptance() - 1 / 3) < 1e-9
+    for _ in range(500):
+        policy.record_verify(4, 4)
+    assert policy.prior_acceptance() > 0.98  # the early rejection has decayed away (Laplace caps it near 0.99)
