@@ -209,9 +209,17 @@ def key_width(num_columns: int, dtype: torch.dtype, device_type: str = "cpu") ->
 def attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
     """q [R, Q, Hq, D], k/v [R, K, Hkv, D], mask [R, Q, K] (True = attend) -> [R, Q, Hq, D], one fused kernel call.
 
-    Sinks (GPT-OSS: one learned logit per head in the softmax denominator) are
-    one more key column, first: its key and value are zero, so its score is
-    ``0 + bias = sinks[h]`` and it adds only ``exp(sinks[h])`` to the denominator.
+    Sinks (GPT-OSS: one learned logit per head in the softmax denominator) add
+    ``exp(sinks[h])`` to each query's denominator. In float32 on the CPU the
+    kernel returns each row's logsumexp ``L`` of the real scores, so the output
+    is rescaled afterwards, ``out * exp(L) / (exp(L) + exp(s)) = out * sigmoid(L - s)``,
+    and the mask stays one [R, 1, Q, width] bias shared by all heads (measured:
+    5.66 ms against 7.25 for 8 prompts of 256 tokens, 4 heads of 32). Elsewhere
+    the sink is one more key column, first, with a zero key and value and a
+    per-head bias ``sinks[h]``, which needs a mask per head:
+    ``F.scaled_dot_product_attention`` returns no logsumexp, and in bf16 the
+    rescaling rounds the kernel's output twice (logits 5.4-6.0% from float32's
+    in the parity test, against 4.1% with the column).
 
     In bf16/fp16 the key axis is padded with masked columns to whole 512-key
     blocks. The CPU kernel's rounding depends on the number of key columns when
@@ -221,9 +229,8 @@ def attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
     disaggregated == aggregated holds exactly in bf16 (float32 matmuls are not,
     and stay unpadded)::
 
-        key column   0 (sinks only) | 1 ............ K | K+1 ... width-1
-        bias         sinks[h]       | 0 / -inf (mask)  | -inf
-        k, v         0              | the keys         | 0
+        key column   [0 (sink column, not float32 CPU)] | keys ...... | padding ... width-1
+        bias         [sinks[h]]                   | 0 / -inf    | -inf
 
     A decode bucket (Q = 1) with grouped KV heads is *folded*: query head
     ``h = kv * G + g`` becomes row ``g`` of KV head ``kv``, so the kernel runs
@@ -233,7 +240,8 @@ def attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
         q [R, 1, Hq, D] --view--> [R, Hkv, G, D]     mask [R, 1, 1, K] broadcast over G
     """
     num_req, num_q, num_heads, head_size = q.shape
-    lead, num_k, num_kv = int(sinks is not None), k.shape[1], k.shape[2]
+    rescale = sinks is not None and q.device.type == "cpu" and q.dtype == torch.float32
+    lead, num_k, num_kv = int(sinks is not None and not rescale), k.shape[1], k.shape[2]
     width = key_width(lead + num_k, q.dtype, q.device.type)
     if width != num_k:
         k, v = (_place_keys(t, lead, width) for t in (k, v))
@@ -242,21 +250,35 @@ def attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
         mask = padded
     is_folded = num_q == 1 and num_heads > num_kv
     heads, rows = (num_kv, num_heads // num_kv) if is_folded else (num_heads, num_q)
-    attn_mask = mask[:, None]  # [R, 1, Q, width]: folded, Q = 1 broadcasts over the group's rows
-    if sinks is not None:
-        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
-        attn_mask = attn_mask.expand(num_req, heads, rows, width).contiguous()
-        attn_mask[..., 0] = sinks.to(q.dtype).view(heads, rows) if is_folded else sinks.to(q.dtype)[:, None]
     if is_folded:
-        out = F.scaled_dot_product_attention(
-            q.reshape(num_req, heads, rows, head_size), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=attn_mask, scale=scale,
-        )
+        q, k, v = q.reshape(num_req, heads, rows, head_size), k.transpose(1, 2), v.transpose(1, 2)
+    else:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    attn_mask = mask[:, None]  # [R, 1, Q, width]: folded, Q = 1 broadcasts over the group's rows
+    if rescale:
+        out = _attend_rescaled(q, k, v, attn_mask.expand(num_req, 1, rows, width), scale,
+                               sinks.to(torch.float32).view(heads, rows if is_folded else 1))
+    else:
+        if sinks is not None:
+            attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+            attn_mask = attn_mask.expand(num_req, heads, rows, width).contiguous()
+            attn_mask[..., 0] = sinks.to(q.dtype).view(heads, rows) if is_folded else sinks.to(q.dtype)[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=not is_folded)
+    if is_folded:
         return out.reshape(num_req, 1, num_heads, head_size)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale, enable_gqa=True
-    )
     return out.transpose(1, 2)
+
+
+def _attend_rescaled(q, k, v, mask, scale, sinks) -> torch.Tensor:
+    """The CPU flash kernel without sinks, then each row scaled by ``sigmoid(logsumexp - sink)``.
+
+    q [R, H, Q, D], k/v [R, Hkv, K, D], mask [R, 1, Q, K] bool, sinks [H, Q or 1] float32.
+    """
+    if k.shape[1] != q.shape[1]:  # grouped KV heads: the kernel takes as many as the queries have
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    bias = torch.zeros((), dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias, scale=scale)
+    return out * torch.sigmoid(logsumexp - sinks).unsqueeze(-1)
 
 
 def _place_keys(keys: torch.Tensor, lead: int, width: int) -> torch.Tensor:
