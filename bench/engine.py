@@ -46,6 +46,7 @@ from bench.engine_models import REAL_MODELS, available_models, make_llm, mixed_p
 from bench.engine_spec import speculative
 from engine import LLM, SamplingParams
 from engine.model_registry import SMOLLM2_NAME
+from engine.tokenizer import Tokenizer
 
 MODES = {
     "full": dict(num_prompts=64, lengths=(16, 256), max_tokens=16, concurrencies=(1, 8, 32), throughput_reps=1,
@@ -62,6 +63,15 @@ def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     outputs, wall, cpu = timed_cpu(llm.generate, prompt_token_ids=prompts, sampling_params=params)
     return [o.token_ids for o in outputs], wall, cpu
+
+
+def run_fresh(path: str, concurrency: int, longest: int, prompts: list[list[int]],
+              max_tokens: int) -> tuple[list[list[int]], float, float]:
+    """``run_ours`` on a new engine (loaded and warmed up on two prompts, not timed): an engine
+    kept from an earlier rep would serve these prompts from its prefix cache."""
+    llm = make_llm(path, concurrency, longest, max_tokens)
+    run_ours(llm, prompts[:2], 2)
+    return run_ours(llm, prompts, max_tokens)
 
 
 def run_hf(hf, prompts: list[list[int]], max_tokens: int, batch: int,
@@ -108,12 +118,12 @@ def throughput(model: str, path: str, prompts: list[list[int]], mode: dict, reps
     max_tokens, longest, rows = mode["max_tokens"], max(map(len, prompts)), []
     num_tokens = len(prompts) * max_tokens
     for c in mode["concurrencies"]:
-        llm = make_llm(path, c, longest, max_tokens)
-        pad_id = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
-        run_ours(llm, prompts[:2], 2), run_hf(hf, prompts[:2], 2, c, pad_id)  # warm-up, not timed
+        tokenizer = Tokenizer(path)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        run_hf(hf, prompts[:2], 2, c, pad_id)  # warm-up, not timed
         progress(f"throughput {model} c={c}: {reps} x (ours, transformers) on {len(prompts)} prompts, "
                  f"{max_tokens} tokens each")
-        runs = interleave(reps, {"ours": partial(run_ours, llm, prompts, max_tokens),
+        runs = interleave(reps, {"ours": partial(run_fresh, path, c, longest, prompts, max_tokens),
                                  "hf": partial(run_hf, hf, prompts, max_tokens, c, pad_id)})
         rows.append(throughput_row(model, c, runs, num_tokens))
         progress(f"  ours {rows[-1]['ours_tok_s']:.0f} tok/s, transformers {rows[-1]['hf_tok_s']:.0f} tok/s, "
