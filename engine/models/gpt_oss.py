@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.decoder import AttentionOptions, DecoderForCausalLM
-from engine.models.packed import can_pack, matmul_in_out, pack
+from engine.models.packed import can_pack, linear, pack
 
 # Rows of one expert chunk: gate_up [256, 2I] of a mid-sized model stays in cache between the
 # matmul and the activation (an expert layer of 256 tokens, [512, 1024] experts: 27-29 ms against
@@ -60,8 +60,8 @@ class Experts(nn.Module):
     def _matmuls(self, rows: torch.Tensor, name: str, pieces: list[tuple[int, int, int]],
                  offset: int) -> torch.Tensor:
         """Expert ``e``'s ``name`` weight over ``rows[a - offset : b - offset]``, each ``(e, a, b)``; concatenated."""
-        weight, bias, packed = self._parameters[name], self._parameters[f"{name}_bias"], self.packed.get(name)
-        outputs = [matmul_in_out(rows[a - offset:b - offset], weight[e], bias[e], packed[e] if packed else None)
+        weight, bias, packed = getattr(self, name), getattr(self, f"{name}_bias"), self.packed.get(name)
+        outputs = [linear(rows[a - offset:b - offset], weight[e].t(), bias[e], packed[e] if packed else None)
                    for e, a, b in pieces]
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 

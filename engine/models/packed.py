@@ -8,9 +8,9 @@ once. oneDNN's linear takes a weight reordered ahead of time into its blocked
 layout. Measured on the 2-core EPYC box, one thread, weights streamed from
 memory (64 distinct [512, 1024] matrices, us per matmul)::
 
-    rows            1     4     8    16    32    128   256   1024
-    MKL addmm     123   336   368   442   601   1630  2917  ~11800
-    oneDNN packed 171   140   179   234   393   1338  2478   9800
+    rows            1     4     8    16    32    128   256
+    MKL addmm     123   336   368   442   601   1630  2917
+    oneDNN packed 171   140   179   234   393   1338  2478
 
 so a matmul of two or more rows goes to oneDNN and one row (a batch-1 decode)
 stays on MKL's GEMV. oneDNN's result for a row does not depend on how many
@@ -47,17 +47,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [N, in]: oneDNN on ``packed`` when N >= 2, MKL otherwise."""
+    """``F.linear(x, weight, bias)`` for x [N, in]: oneDNN on ``packed`` when N >= 2, MKL otherwise.
+    A weight stored [in, out] (GPT-OSS's experts) comes as ``w.t()``: MKL then runs ``addmm(bias, x, w)``."""
     if packed is None or x.shape[0] < 2:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-
-
-def matmul_in_out(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                  packed: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight + bias`` for a weight stored [in, out] (GPT-OSS's experts)."""
-    if packed is None or x.shape[0] < 2:
-        return torch.addmm(bias, x, weight)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 

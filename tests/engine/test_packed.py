@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from engine.models.gpt_oss import Experts
-from engine.models.packed import PackedLinear, can_pack, linear, matmul_in_out, pack, pack_for_cpu
+from engine.models.packed import PackedLinear, can_pack, linear, pack, pack_for_cpu
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1), 0), reason="no oneDNN in this torch build")
@@ -36,7 +36,7 @@ def test_linear_on_packed_weight_equals_f_linear(rows, sizes, bias, seed):
 @given(rows=st.integers(1, 64), seed=st.integers(0, 1000))
 def test_in_out_weight_packed_transposed_equals_addmm(rows, seed):
     x, weight, bias = seeded(rows, 48, seed=seed), seeded(48, 80, seed=seed + 1), seeded(80, seed=seed + 2)
-    torch.testing.assert_close(matmul_in_out(x, weight, bias, pack(weight.t())), torch.addmm(bias, x, weight),
+    torch.testing.assert_close(linear(x, weight.t(), bias, pack(weight.t())), torch.addmm(bias, x, weight),
                                rtol=1e-5, atol=1e-5)
 
 
