@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -89,67 +90,74 @@ def plan_buckets(query_lens: list[int], key_lens: list[int]) -> list[list[int]]:
     return buckets
 
 
-def _padded_table(tables: list[list[int]], min_width: int) -> torch.Tensor:
+def _padded_table(tables: list[list[int]], min_width: int) -> np.ndarray:
     width = max(min_width, max(len(t) for t in tables))
-    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
+    table = np.full((len(tables), width), -1, dtype=np.int64)
+    for row, ordinals in zip(table, tables):
+        row[: len(ordinals)] = ordinals
+    return table
 
 
-def _raise_unbound(pages: torch.Tensor, valid: torch.Tensor, group: str, what: str) -> None:
-    bad = ((pages < 0) & valid).nonzero()
-    if bad.numel():
+def _raise_unbound(pages: np.ndarray, valid: np.ndarray, group: str, what: str) -> None:
+    bad = np.argwhere((pages < 0) & valid)
+    if len(bad):
         raise ValueError(
             f"layer group {group!r}: {what} needs an unbound (-1) block-table ordinal (at {bad[0].tolist()})"
         )
 
 
 def _build_bucket(members, per_request, table, block_size, window, group, page_rows) -> AttentionBucket:
-    """``per_request``: lists indexed by request
+    """``per_request``: arrays indexed by request
     (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)."""
+    rows = np.asarray(members)
     query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets = (
-        torch.tensor([values[r] for r in members], dtype=torch.long)[:, None] for values in per_request
+        values[rows][:, None] for values in per_request
     )
-    q_idx = torch.arange(int(query_lens.max()))[None]
-    q_valid, q_idx = q_idx < query_lens, torch.minimum(q_idx, query_lens - 1)
-    b_idx = torch.arange(int(num_blocks.max()))[None]
-    pages = table[torch.tensor(members)[:, None], first_blocks + torch.minimum(b_idx, num_blocks - 1)]
+    q_idx = np.arange(query_lens.max())[None]
+    q_valid, q_idx = q_idx < query_lens, np.minimum(q_idx, query_lens - 1)
+    b_idx = np.arange(num_blocks.max())[None]
+    pages = table[rows[:, None], first_blocks + np.minimum(b_idx, num_blocks - 1)]
     _raise_unbound(pages, b_idx < num_blocks, group, "attention")
-    k_pos = first_blocks * block_size + torch.arange(b_idx.shape[1] * block_size)[None]
+    k_pos = first_blocks * block_size + np.arange(b_idx.shape[1] * block_size)[None]
     q_pos, query_rows = query_starts + q_idx, offsets + q_idx
     mask = k_pos[:, None, :] <= q_pos[:, :, None]  # padding keys lie past S - 1: causality drops them
     if window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    dead_keys = (~mask.any(dim=1)).flatten().nonzero().squeeze(1)
-    out_rows = q_valid.flatten().nonzero().squeeze(1)
-    return AttentionBucket(query_rows, (pages * page_rows).flatten(), mask, dead_keys, out_rows,
-                           query_rows.flatten()[out_rows])
+    dead_keys = np.flatnonzero(~mask.any(axis=1))
+    out_rows = np.flatnonzero(q_valid)
+    arrays = (query_rows, (pages * page_rows).ravel(), mask, dead_keys, out_rows, query_rows.ravel()[out_rows])
+    return AttentionBucket(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
 
 
 def build_group_attention(
     batch: ForwardBatch, group: str, window: int | None, device: torch.device | str
 ) -> GroupAttention:
-    """Index tensors for one group (built on CPU from Python lists, then moved: no device sync)."""
-    block_size, seq_lens, query_lens = batch.tokens_per_block, batch.seq_lens, batch.query_lens
+    """Index tensors for one group, built with numpy on the host (a few us per op, where a torch
+    op on these small tensors costs 5-10) from the Python lists, then moved: no device sync."""
+    block_size = batch.tokens_per_block
+    seq_lens, query_lens = np.asarray(batch.seq_lens, dtype=np.int64), np.asarray(batch.query_lens, dtype=np.int64)
     page_rows = 2 * batch.kv_caches[group].shape[1]  # K and V rows of every layer in a page
-    query_starts = [s - q for q, s in zip(query_lens, seq_lens)]
-    first_blocks = [0 if window is None else max(0, a - window + 1) // block_size for a in query_starts]
-    num_blocks = [(s - 1) // block_size + 1 - f for s, f in zip(seq_lens, first_blocks)]
-    offsets = [0]
-    for q in query_lens[:-1]:
-        offsets.append(offsets[-1] + q)
-    table = _padded_table(batch.block_tables[group], (max(seq_lens) - 1) // block_size + 1)
+    query_starts = seq_lens - query_lens
+    if window is None:
+        first_blocks = np.zeros_like(query_starts)
+    else:
+        first_blocks = np.maximum(0, query_starts - window + 1) // block_size
+    num_blocks = (seq_lens - 1) // block_size + 1 - first_blocks
+    offsets = np.cumsum(query_lens) - query_lens
+    table = _padded_table(batch.block_tables[group], int(seq_lens.max() - 1) // block_size + 1)
     # On the CPU ForwardBatch checked that positions equal these; a device tensor would need a sync.
-    positions = batch.positions if batch.positions.device.type == "cpu" else batch.expected_positions()
-    requests = torch.repeat_interleave(torch.arange(batch.num_requests), torch.tensor(query_lens))
+    positions = (batch.positions if batch.positions.device.type == "cpu" else batch.expected_positions()).numpy()
+    requests = np.repeat(np.arange(batch.num_requests), query_lens)
     write_pages = table[requests, positions // block_size]
-    _raise_unbound(write_pages, torch.ones_like(write_pages, dtype=torch.bool), group, "a KV write")
+    _raise_unbound(write_pages, np.ones_like(write_pages, dtype=bool), group, "a KV write")
     write_rows = write_pages * page_rows * block_size + positions % block_size
     per_request = (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)
-    key_lens = [n * block_size for n in num_blocks]
+    key_lens = (num_blocks * block_size).tolist()
     buckets = tuple(
         _to_device(_build_bucket(members, per_request, table, block_size, window, group, page_rows), device)
-        for members in plan_buckets(query_lens, key_lens)
+        for members in plan_buckets(batch.query_lens, key_lens)
     )
-    return GroupAttention(window, write_rows.to(device), buckets)
+    return GroupAttention(window, torch.from_numpy(write_rows).to(device), buckets)
 
 
 def _to_device(bucket: AttentionBucket, device: torch.device | str) -> AttentionBucket:

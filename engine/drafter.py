@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-import torch
-
 
 class Drafter(Protocol):
     """What the generation worker asks of a drafter."""
@@ -60,30 +58,25 @@ class NgramDrafter:
     def propose(self, token_ids: Sequence[int], max_len: int) -> list[int]:
         """Up to ``min(max_len, max_draft_len)`` tokens, ``[]`` if no n-gram matches.
 
-        ``token_ids`` is the prompt plus everything generated so far. Costs
-        O(max_ngram**2 * len(token_ids)) vectorised work; reads, never keeps,
-        ``token_ids``.
+        ``token_ids`` is the prompt plus everything generated so far; read, never kept.
+        Runs for every drafting request at every step, so it is plain Python: one scan
+        for the positions that hold the last token (where any match must end), then
+        the longer suffixes checked at those positions only, latest first. Linear in
+        the history.
         """
         max_len = min(max_len, self._max_draft_len)
-        if max_len <= 0 or len(token_ids) < 2:
+        length = len(token_ids)
+        if max_len <= 0 or length < 2:
             return []
-        tokens = torch.as_tensor(token_ids, dtype=torch.long)
-        for n in range(min(self._max_ngram, len(tokens) - 1), self._min_ngram - 1, -1):
-            start = _last_match_start(tokens, n)
-            if start is not None:
-                return tokens[start + n : start + n + max_len].tolist()
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+        last = tokens[-1]
+        ends = [p for p, token in enumerate(tokens[:-1]) if token == last]
+        for n in range(min(self._max_ngram, length - 1), self._min_ngram - 1, -1):
+            suffix = tokens[length - n:]
+            for end in reversed(ends):
+                if end >= n - 1 and tokens[end - n + 1:end + 1] == suffix:
+                    return tokens[end + 1:end + 1 + max_len]
         return []
-
-
-def _last_match_start(tokens: torch.Tensor, n: int) -> int | None:
-    """Largest ``j < L - n`` with ``tokens[j:j+n] == tokens[L-n:]``, or None."""
-    num_starts = len(tokens) - n
-    suffix = tokens[num_starts:]
-    is_match = torch.ones(num_starts, dtype=torch.bool)
-    for offset in range(n):
-        is_match &= tokens[offset : offset + num_starts] == suffix[offset]
-    starts = is_match.nonzero()
-    return int(starts[-1]) if len(starts) else None
 
 
 _DRAFTERS = {"ngram": NgramDrafter}

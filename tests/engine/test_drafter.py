@@ -52,6 +52,7 @@ def test_proposal_is_a_true_continuation(tokens, max_len, max_draft_len, ngrams)
         assert _is_true_continuation(tokens, proposal, min_ngram, max_ngram)
     limit = min(max_len, max_draft_len)
     assert proposal == _reference_propose(tokens, limit, min_ngram, max_ngram)
+    assert drafter.propose(tuple(tokens), max_len) == proposal  # any sequence, not only lists
 
 
 @settings(max_examples=200, deadline=None)

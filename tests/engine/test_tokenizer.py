@@ -83,6 +83,14 @@ def test_stream_concatenates_to_decode_for_any_ids(tok, ids, skip):
     assert "".join(stream(tok, ids, skip)) == tok.decode(ids, skip_special_tokens=skip)
 
 
+@settings(max_examples=200, deadline=None)
+@given(ids=ANY_IDS, skip=st.booleans())
+def test_decode_is_transformers_decode(tok, ids, skip):
+    """decode() calls the Rust tokenizer directly: the same text as transformers' decode, clean-up off."""
+    expected = tok._hf.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+    assert tok.decode(ids, skip_special_tokens=skip) == expected
+
+
 def test_stream_holds_an_incomplete_character_until_flush(tok):
     decoder = IncrementalDecoder(tok)
     assert [decoder.push(b) for b in "€".encode()[:2]] == ["", ""]
