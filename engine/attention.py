@@ -39,6 +39,8 @@ from engine.forward import ForwardBatch
 _KEY_COST_ROWS = 8
 _BUCKET_WASTE = 1.25
 _BUCKET_SLACK = 1 << 11
+# Fewest queries of a sliding-window tile (see _window_tiles).
+_MIN_TILE = 32
 # Key columns of one block of the CPU flash-attention kernel (kvSplitSize in ATen).
 _INVARIANT_KEY_BLOCK = 512
 
@@ -137,13 +139,7 @@ def build_group_attention(
     block_size = batch.tokens_per_block
     seq_lens, query_lens = np.asarray(batch.seq_lens, dtype=np.int64), np.asarray(batch.query_lens, dtype=np.int64)
     page_rows = 2 * batch.kv_caches[group].shape[1]  # K and V rows of every layer in a page
-    query_starts = seq_lens - query_lens
-    if window is None:
-        first_blocks = np.zeros_like(query_starts)
-    else:
-        first_blocks = np.maximum(0, query_starts - window + 1) // block_size
-    num_blocks = (seq_lens - 1) // block_size + 1 - first_blocks
-    offsets = np.cumsum(query_lens) - query_lens
+    query_starts, offsets = seq_lens - query_lens, np.cumsum(query_lens) - query_lens
     table = _padded_table(batch.block_tables[group], int(seq_lens.max() - 1) // block_size + 1)
     # On the CPU ForwardBatch checked that positions equal these; a device tensor would need a sync.
     positions = (batch.positions if batch.positions.device.type == "cpu" else batch.expected_positions()).numpy()
@@ -151,13 +147,38 @@ def build_group_attention(
     write_pages = table[requests, positions // block_size]
     _raise_unbound(write_pages, np.ones_like(write_pages, dtype=bool), group, "a KV write")
     write_rows = write_pages * page_rows * block_size + positions % block_size
+    if window is None:
+        first_blocks = np.zeros_like(query_starts)
+    else:
+        query_lens, query_starts, offsets, units = _window_tiles(query_lens, query_starts, offsets, window)
+        seq_lens, table = query_starts + query_lens, table[units]
+        first_blocks = np.maximum(0, query_starts - window + 1) // block_size
+    num_blocks = (seq_lens - 1) // block_size + 1 - first_blocks
     per_request = (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)
     key_lens = (num_blocks * block_size).tolist()
     buckets = tuple(
         _to_device(_build_bucket(members, per_request, table, block_size, window, group, page_rows), device)
-        for members in plan_buckets(batch.query_lens, key_lens)
+        for members in plan_buckets(query_lens.tolist(), key_lens)
     )
     return GroupAttention(window, torch.from_numpy(write_rows).to(device), buckets)
+
+
+def _window_tiles(query_lens, query_starts, offsets, window):
+    """Split every request's new tokens into tiles of ``max(window, _MIN_TILE)`` queries, each then
+    attended as a request of its own (a query's keys depend on its position only). A tile of T queries
+    reads T + W - 1 keys where the whole chunk read Q + W - 1: prefill of a sliding-window layer costs
+    O(Q * (T + W)) instead of O(Q * Q). Returns the tiles' query_lens, query_starts, offsets, and the
+    request each belongs to::
+
+        window 32, query_lens [100, 1]  ->  tiles [32, 32, 32, 4, 1], requests [0, 0, 0, 0, 1]
+    """
+    tile = max(window, _MIN_TILE)
+    counts = -(-query_lens // tile)
+    units = np.repeat(np.arange(len(query_lens)), counts)
+    if len(units) == len(query_lens):
+        return query_lens, query_starts, offsets, units
+    skip = (np.arange(len(units)) - np.repeat(np.cumsum(counts) - counts, counts)) * tile  # queries before the tile
+    return np.minimum(tile, query_lens[units] - skip), query_starts[units] + skip, offsets[units] + skip, units
 
 
 def _to_device(bucket: AttentionBucket, device: torch.device | str) -> AttentionBucket:

@@ -41,45 +41,56 @@ def _batch(lens, block_size, window, pages_seed):
 
 
 @settings(max_examples=150, deadline=None)
-@given(lens=st.lists(st.tuples(st.integers(1, 12), st.integers(0, 60)), min_size=1, max_size=6),
-       block_size=st.sampled_from([1, 2, 4, 16]), window=st.sampled_from([None, 1, 3, 8, 20]),
+@given(lens=st.lists(st.tuples(st.integers(1, 80), st.integers(0, 60)), min_size=1, max_size=5),
+       block_size=st.sampled_from([1, 4, 16]), window=st.sampled_from([None, 1, 3, 8, 20, 40]),
        pages_seed=st.integers(0, 1000))
-def test_group_attention_indexes_the_right_pages_and_positions(lens, block_size, window, pages_seed):
+def test_group_attention_reads_exactly_each_querys_window(lens, block_size, window, pages_seed):
+    """Whatever the bucketing and tiling: every new token is written to its own slot; every real query
+    attends each key position of ``[p - W + 1, p]`` (``[0, p]`` without a window) exactly once, read
+    from the page its request's block table holds for it; a key column nobody attends is dead."""
     batch = _batch(lens, block_size, window, pages_seed)
     meta = build_group_attention(batch, "g", window, "cpu")
-    page_rows, tables = 2 * LAYERS, batch.block_tables["g"]
-    offsets = [sum(batch.query_lens[:r]) for r in range(batch.num_requests)]
-    # every new token's K goes to slot p % B of page table[p // B] (layer 0's K row)
+    page_rows, tables, positions = 2 * LAYERS, batch.block_tables["g"], batch.positions.tolist()
+    request_of = [r for r, q in enumerate(batch.query_lens) for _ in range(q)]
     expected_writes = [tables[r][p // block_size] * page_rows * block_size + p % block_size
-                       for r in range(batch.num_requests)
-                       for p in range(batch.seq_lens[r] - batch.query_lens[r], batch.seq_lens[r])]
+                       for r, p in zip(request_of, positions)]
     assert meta.write_rows.tolist() == expected_writes
     seen_tokens = []
     for bucket in meta.buckets:
         num_rows, num_queries = bucket.query_rows.shape
         key_len = bucket.mask.shape[2]
         blocks = key_len // block_size
+        real = set(bucket.out_rows.tolist())
         dead = set(bucket.dead_keys.tolist())
         for i in range(num_rows):
-            query_rows = bucket.query_rows[i].tolist()
-            r = max(r for r in range(batch.num_requests) if offsets[r] <= query_rows[0])  # the row's request
-            q_len, s_len = batch.query_lens[r], batch.seq_lens[r]
-            first = 0 if window is None else max(0, s_len - q_len - window + 1) // block_size
-            num_blocks = (s_len - 1) // block_size + 1 - first
-            pages = bucket.block_rows[i * blocks:(i + 1) * blocks].tolist()
-            assert pages == [tables[r][first + min(b, num_blocks - 1)] * page_rows for b in range(blocks)]
+            r = request_of[int(bucket.query_rows[i, 0])]
+            pages = [int(row) // page_rows for row in bucket.block_rows[i * blocks:(i + 1) * blocks]]
+            # the position each gathered key column holds: its page's ordinal in r's table, and its slot
+            key_positions = [tables[r].index(pages[c // block_size]) * block_size + c % block_size
+                             for c in range(key_len)]
             for j in range(num_queries):
-                assert query_rows[j] == offsets[r] + min(j, q_len - 1)  # padding repeats the last query
-                q_pos = s_len - q_len + min(j, q_len - 1)
-                for c in range(key_len):
-                    k_pos = first * block_size + c
-                    attends = k_pos <= q_pos and (window is None or k_pos > q_pos - window)
-                    assert bool(bucket.mask[i, j, c]) == attends, (r, j, c)
+                token = int(bucket.query_rows[i, j])
+                assert request_of[token] == r
+                attended = [key_positions[c] for c in range(key_len) if bucket.mask[i, j, c]]
+                if i * num_queries + j in real:
+                    p = positions[token]
+                    assert sorted(attended) == list(range(0 if window is None else max(0, p - window + 1), p + 1))
             for c in range(key_len):
                 assert (i * key_len + c in dead) == (not bucket.mask[i, :, c].any())
         seen_tokens += bucket.out_tokens.tolist()
         assert bucket.query_rows.flatten()[bucket.out_rows].tolist() == bucket.out_tokens.tolist()
     assert sorted(seen_tokens) == list(range(batch.num_tokens))  # every real query attended once
+
+
+def test_a_long_chunk_of_a_sliding_window_layer_is_read_in_tiles():
+    """100 new tokens, window 32: tiles of 32 queries each read their own window's keys only."""
+    batch = _batch([(100, 0)], block_size=16, window=32, pages_seed=0)
+    meta = build_group_attention(batch, "g", 32, "cpu")
+    widths = sorted((b.query_rows.shape[1], b.mask.shape[2]) for b in meta.buckets)
+    assert sum(b.query_rows.shape[0] for b in meta.buckets) == 4  # tiles of 32, 32, 32, 4
+    assert max(keys for _, keys in widths) <= 32 + 32 + 16  # a tile's window, block-aligned; not 112
+    full = build_group_attention(batch, "g", None, "cpu")
+    assert [b.mask.shape for b in full.buckets] == [(1, 100, 112)]  # full attention: one request, all keys
 
 
 def test_an_unbound_ordinal_inside_the_window_raises():
