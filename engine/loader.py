@@ -126,10 +126,11 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> No
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
     """Build the engine's model for the directory's architecture and load its weights, in eval mode,
-    float32 CPU weights packed for oneDNN (engine.models.packed)."""
+    each layer's q/k/v fused into one matmul, float32 CPU weights packed for oneDNN (engine.models.packed)."""
     from engine.models import build_model  # engine.models imports this module: import at call time
+    from engine.models.decoder import fuse_projections
     from engine.models.packed import pack_for_cpu
 
     model = build_model(load_config(path), dtype=dtype, device=device)
     load_weights(model, load_state_dict(path))
-    return pack_for_cpu(model.eval())
+    return pack_for_cpu(fuse_projections(model.eval()))

@@ -50,15 +50,56 @@ class PagedSelfAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=options.qkv_bias)
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=options.o_bias)
         self.sinks = nn.Parameter(torch.zeros(heads)) if options.has_sinks else None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None  # fuse_qkv
+
+    def fuse_qkv(self) -> None:
+        """q, k and v in one matmul, and RoPE over q and k at once (a decode step's layer: two matmuls
+        and a RoPE's seven ops fewer). The three weights (and biases) become views of one concatenated
+        tensor: parameters, ``state_dict`` and memory stay as they were. Call once the weights are loaded
+        and on their device: ``Module.to`` afterwards would part the views from the fused tensor."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        with torch.no_grad():
+            weight = torch.cat([p.weight for p in projs])
+            bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
+            sizes = [p.weight.shape[0] for p in projs]
+            for proj, part in zip(projs, weight.split(sizes)):
+                proj.weight = nn.Parameter(part, requires_grad=False)
+            if bias is not None:
+                for proj, part in zip(projs, bias.split(sizes)):
+                    proj.bias = nn.Parameter(part, requires_grad=False)
+        self.qkv = (weight, bias, None)
+
+    def pack_weights(self, min_elements: int) -> None:
+        """The fused q/k/v weight packed for oneDNN (engine.models.packed), like any large linear."""
+        if self.qkv is not None and can_pack(self.qkv[0], min_elements):
+            self.qkv = (self.qkv[0], self.qkv[1], pack(self.qkv[0]))
+
+    def _project(self, hidden: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
+        """q, k (rotated) and v, [N, heads, head_dim] each."""
+        num_tokens, head = hidden.shape[0], self.head_dim
+        if self.qkv is None:
+            q = apply_rope(self.q_proj(hidden).view(num_tokens, -1, head), ctx.cos, ctx.sin)
+            k = apply_rope(self.k_proj(hidden).view(num_tokens, -1, head), ctx.cos, ctx.sin)
+            return q, k, self.v_proj(hidden).view(num_tokens, -1, head)
+        num_q, num_kv = self.q_proj.weight.shape[0] // head, self.k_proj.weight.shape[0] // head
+        qkv = linear(hidden, *self.qkv).view(num_tokens, -1, head)
+        qk = apply_rope(qkv[:, : num_q + num_kv], ctx.cos, ctx.sin)
+        return qk[:, :num_q], qk[:, num_q:], qkv[:, num_q + num_kv:]
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = apply_rope(self.q_proj(hidden).view(num_tokens, -1, self.head_dim), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_proj(hidden).view(num_tokens, -1, self.head_dim), ctx.cos, ctx.sin)
-        v = self.v_proj(hidden).view(num_tokens, -1, self.head_dim)
+        q, k, v = self._project(hidden, ctx)
         group, index, _ = self.slot
         out = paged_attention(q, k, v, ctx.kv_caches[group], index, ctx.attention[group], self.scale, self.sinks)
         return self.o_proj(out.reshape(num_tokens, -1))
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Every attention layer's q/k/v in one matmul (``PagedSelfAttention.fuse_qkv``); weights loaded first."""
+    for module in model.modules():
+        if isinstance(module, PagedSelfAttention):
+            module.fuse_qkv()
+    return model
 
 
 class DecoderLayer(nn.Module):

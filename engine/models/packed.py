@@ -73,11 +73,13 @@ class PackedLinear(nn.Module):
 
 def pack_for_cpu(model: nn.Module, min_elements: int = MIN_PACKED_ELEMENTS) -> nn.Module:
     """Pack every float32 CPU ``nn.Linear`` of ``model`` with at least ``min_elements`` weights, and
-    whatever a module packs itself (``pack_weights(min_elements)``: GPT-OSS's experts, a tied LM head).
+    whatever a module packs itself (``pack_weights(min_elements)``: GPT-OSS's experts, a tied LM head,
+    an attention layer's fused q/k/v, whose three ``nn.Linear`` then stay unpacked: they are not called).
     A no-op elsewhere. Weights must be loaded: a packed copy does not follow later changes."""
     for module in list(model.modules()):
+        fused = ("q_proj", "k_proj", "v_proj") if getattr(module, "qkv", None) is not None else ()
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and can_pack(child.weight, min_elements):
+            if type(child) is nn.Linear and name not in fused and can_pack(child.weight, min_elements):
                 setattr(module, name, PackedLinear(child))
         if hasattr(module, "pack_weights"):
             module.pack_weights(min_elements)

@@ -17,6 +17,7 @@ import engine.attention
 from engine.attention import plan_buckets
 from engine.layout import kv_cache_spec, layer_slots
 from engine.models import MODEL_REGISTRY, build_model
+from engine.models.decoder import fuse_projections
 from engine.models.packed import pack_for_cpu
 from tests.engine.helpers import CONFIGS, WINDOW, PagedKV, greedy, load_pair, relative_error
 
@@ -28,11 +29,12 @@ PROMPT_LEN = 21  # > WINDOW, crosses several block boundaries for B = 4 and 8
 @pytest.fixture(scope="module", params=[(arch, matmul) for arch in ARCHS for matmul in ("mkl", "onednn")],
                 ids=lambda p: "-".join(p))
 def pair(request):
-    """``onednn``: every weight packed (engine.models.packed; a real model packs only large ones)."""
+    """``mkl``: the model as built; ``onednn``: as ``load_model`` prepares it, q/k/v fused and every
+    weight packed (engine.models.packed; a real model packs only large ones)."""
     arch, matmul = request.param
     reference, ours, config = load_pair(arch)
     if matmul == "onednn":
-        pack_for_cpu(ours, min_elements=0)
+        pack_for_cpu(fuse_projections(ours), min_elements=0)
     return arch, reference, ours, config
 
 

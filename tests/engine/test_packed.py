@@ -77,7 +77,7 @@ def test_packed_experts_equal_unpacked(num_tokens):
 
 
 def test_engine_on_a_packed_model_generates_transformers_tokens(tmp_path):
-    """A GPT-OSS-shaped model whose experts, q/o projections and head are large enough to be packed
+    """A GPT-OSS-shaped model whose experts, fused q/k/v, o projection and head are large enough to be packed
     at load: the whole engine, four prompts batched, greedy, against transformers' generate."""
     from transformers import AutoModelForCausalLM
 
@@ -90,8 +90,8 @@ def test_engine_on_a_packed_model_generates_transformers_tokens(tmp_path):
     llm = LLM(path, device="cpu", tokens_per_block=8, num_pages=64, max_num_seqs=4)
     module = llm.engine.model.module
     layer = module.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, PackedLinear) and set(layer.mlp.experts.packed) == {
-        "gate_up_proj", "down_proj"}
+    assert layer.self_attn.qkv[2] is not None and isinstance(layer.self_attn.o_proj, PackedLinear)  # fused q/k/v
+    assert set(layer.mlp.experts.packed) == {"gate_up_proj", "down_proj"}
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 19, 40, 64)]
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))
