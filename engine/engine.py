@@ -33,6 +33,7 @@ from engine.config import EngineConfig, max_model_len
 from engine.draft_policy import DraftLengthPolicy
 from engine.drafter import make_drafter
 from engine.handoff import is_handoff_due, prefill_result, reused_tokens
+from engine.host_memory import keep_freed_memory
 from engine.layout import kv_cache_spec
 from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogprob, num_kv_tokens
 from engine.params import SamplingParams
@@ -58,6 +59,8 @@ class LLMEngine:
         self.config = config
         self.role = role
         self.model = model or WorkerModel.load(config)
+        if torch.device(self.model.device).type == "cpu":
+            keep_freed_memory()  # activations reused from the heap, not faulted in again every step
         self.tokenizer = self.model.tokenizer
         spec = kv_cache_spec(self.model.hf_config, config.tokens_per_block, self.model.dtype)
         self.manager = KVCacheManager(spec, config.num_pages, device=self.model.device,
