@@ -18,7 +18,10 @@ Three figures, each a ratio measured side by side in this run:
    bandwidth of a large torch copy measured in between the steps.
 
 Both systems run with one torch thread (the machine is shared; two threads
-under contention measured slower and far noisier).
+under contention measured slower and far noisier), and under the malloc settings
+a CPU engine sets for its process (``engine.host_memory``), fixed before the first
+measurement: they are process-wide, so transformers gets them too (it gains more
+from them than we do: 1.4x on windserve-tiny at c = 32, bench/README.md).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from bench.common import (
 from bench.engine_models import REAL_MODELS, available_models, make_llm, mixed_prompts, parse_models, prompts_for
 from bench.engine_spec import speculative
 from engine import LLM, SamplingParams
+from engine.host_memory import keep_freed_memory
 from engine.model_registry import SMOLLM2_NAME
 from engine.tokenizer import Tokenizer
 
@@ -239,6 +243,7 @@ def print_tables(throughput_rows: list[dict], specs: list[dict], floors: list[di
 def main(argv: list[str] | None = None) -> dict:
     models, argv = parse_models(argv)
     args = parse_args(__doc__.splitlines()[0], argv)
+    keep_freed_memory()  # what our engine would set at its first load: both sides measured under it
     with torch_threads(1):  # one torch thread, as the measurements assume; restored after
         mode = MODES["quick" if args.quick else "full"]
         reps, throughput_reps = args.reps or mode["reps"], args.reps or mode["throughput_reps"]
