@@ -2,9 +2,10 @@
 
     python -m bench.spec_ab [--reps 4] [--quick]
 
-For each rep, both policies in turn (the current one; ``shared_prior=False``:
-the policy before the engine-wide acceptance prior, each new request starting
-from a fixed 0.5), each on gptoss-mid and windserve-tiny, repetitive and random text, batch 1,
+For each rep, both policies in turn (the current one; ``prior_drafts=2``: the
+policy before session 7, the engine's recent acceptance weighted as 2 drafts in
+a request's estimate instead of 8), each on gptoss-mid and windserve-tiny,
+repetitive and random text, batch 1,
 ``bench.engine_spec.speculative`` (no drafts vs up to 4 n-gram drafts, outputs must be
 identical). Prints every wall ratio (no drafts / drafts) and the medians; writes
 ``spec_ab.json``.
@@ -21,7 +22,7 @@ from bench.engine import MODES
 from bench.engine_models import available_models
 from bench.engine_spec import speculative
 
-POLICIES = {"current": {}, "previous": {"shared_prior": False}}
+POLICIES = {"current": {}, "previous": {"prior_drafts": 2}}
 CASES = (("gptoss-mid", "repetitive"), ("gptoss-mid", "random"),
          ("windserve-tiny", "random"), ("windserve-tiny", "repetitive"))
 

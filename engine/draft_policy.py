@@ -14,7 +14,7 @@ acceptance ``A`` (over all requests' verified drafts, exponentially weighted,
 Laplace-smoothed: 0.5 before any), plus an exploration bonus that grows with the steps it has
 run and shrinks with the drafts it has had verified (UCB-style)::
 
-    a = (accepted + 2 * A) / (proposed + 2) + EXPLORE * sqrt(ln(1 + steps) / (proposed + 2))
+    a = (accepted + 8 * A) / (proposed + 8) + EXPLORE * sqrt(ln(1 + steps) / (proposed + 8))
 
 With ``A`` = 0.5 (a fixed Laplace prior, until session 6) every new request
 started out expecting half its drafts accepted and drafted until its own
@@ -44,7 +44,11 @@ _PRIOR_TOKEN_COST = 0.3
 _DECAY = 0.97  # weight of older step times in the fit
 _MARGIN = 1.03  # a longer draft must promise this much more: the fit is noisy and a wasted verify is not free
 EXPLORE = 0.2  # the bonus's weight: gptoss-mid repetitive 1.28-1.39x wall at 0.2-0.4 against 1.04-1.20x at 0
-_PRIOR_DRAFTS = 2  # weight of the engine's acceptance in a request's estimate, in drafts
+# Weight of the engine's acceptance in a request's estimate, in drafts. 8 against 2 (two runs of 3 reps each,
+# wall ratios): gptoss-mid repetitive 1.45x / 1.39x against 1.33x / 1.36x, random 1.40x / 1.35x against
+# 1.25x / 1.18x, windserve-tiny random 1.06x / 1.06x against 1.00x / 1.04x, repetitive 1.12x / 1.12x
+# against 1.04x / 1.05x.
+_PRIOR_DRAFTS = 8
 _SHARED_DECAY = 0.99  # per verified draft: the engine's acceptance follows about the last 100 drafts
 
 
@@ -110,9 +114,10 @@ class DraftLengthPolicy:
     (``bench.spec_ab`` measures two of them side by side)."""
 
     def __init__(self, max_draft_len: int, explore: float = EXPLORE, fit_drafting: bool = True,
-                 shared_prior: bool = True) -> None:
+                 shared_prior: bool = True, prior_drafts: float = _PRIOR_DRAFTS) -> None:
         self.max_draft_len = max_draft_len
         self.explore = explore
+        self.prior_drafts = prior_drafts
         self.fit_drafting = fit_drafting
         self.shared_prior = shared_prior
         self.cost = StepCost()
@@ -144,9 +149,9 @@ class DraftLengthPolicy:
     def draft_len(self, num_accepted: int, num_proposed: int, num_steps: int = 0) -> int:
         """The best ``k`` for a request that had ``num_accepted`` of ``num_proposed`` drafts
         accepted over ``num_steps`` steps (its outputs so far)."""
-        prior = _PRIOR_DRAFTS * self.prior_acceptance()
-        bonus = self.explore * math.sqrt(math.log(1 + num_steps) / (num_proposed + _PRIOR_DRAFTS))
-        accept = min((num_accepted + prior) / (num_proposed + _PRIOR_DRAFTS) + bonus, 0.98)
+        weight = self.prior_drafts
+        bonus = self.explore * math.sqrt(math.log(1 + num_steps) / (num_proposed + weight))
+        accept = min((num_accepted + weight * self.prior_acceptance()) / (num_proposed + weight) + bonus, 0.98)
         token, drafting = self.cost.ratios() if self.fit_drafting else (self.cost.token_cost_ratio(), 0.0)
         best_k, best_rate = 0, 1 / (1 + token)
         for k in range(1, self.max_draft_len + 1):

@@ -16,9 +16,16 @@ def test_fit_recovers_the_line():
     assert abs(fitted(2.0, 0.5).token_cost_ratio() - 0.25) < 1e-9
 
 
+def rejected(policy: DraftLengthPolicy, num_drafts: int) -> None:
+    """What the engine records when a request's drafts are rejected one by one."""
+    for _ in range(num_drafts):
+        policy.record_verify(1, 0)
+
+
 def test_policy_follows_acceptance_and_cost():
     policy = DraftLengthPolicy(4)
     policy.cost = fitted(1.0, 0.05)  # verify tokens nearly free
+    rejected(policy, 40)
     assert policy.draft_len(num_accepted=0, num_proposed=40) == 0  # random text: drafts never accepted
     assert policy.draft_len(num_accepted=95, num_proposed=100) == 4
     policy.cost = fitted(1.0, 1.0)  # each verify token costs a whole step's overhead
@@ -58,15 +65,18 @@ def test_a_request_that_stopped_drafting_probes_again_ever_more_rarely():
     """Two early rejections stop drafting for now, not for good: later steps probe again; a
     request whose probes keep failing (random text) stops for good."""
     policy = DraftLengthPolicy(4)
+    rejected(policy, 2)
     assert policy.draft_len(num_accepted=0, num_proposed=2, num_steps=0) == 0
     assert policy.draft_len(num_accepted=0, num_proposed=2, num_steps=5) >= 1
+    rejected(policy, 8)
     assert [policy.draft_len(0, 10, steps) for steps in (5, 48, 1000)] == [0, 0, 0]
     assert policy.draft_len(num_accepted=0, num_proposed=40, num_steps=10_000) == 0
 
 
 def test_the_previous_policy_never_probes_again():
-    """``explore=0, fit_drafting=False`` (bench.spec_ab's "previous"): two rejections stop it for good."""
-    previous = DraftLengthPolicy(4, explore=0.0, fit_drafting=False)
+    """``explore=0, fit_drafting=False``, a fixed prior of 0.5 weighted as 2 drafts (the policy of session 4):
+    two rejections stop it for good."""
+    previous = DraftLengthPolicy(4, explore=0.0, fit_drafting=False, shared_prior=False, prior_drafts=2)
     assert [previous.draft_len(0, 2, steps) for steps in (0, 5, 1000)] == [0, 0, 0]
     assert DraftLengthPolicy(4).draft_len(0, 2, 5) >= 1
 
@@ -86,9 +96,9 @@ def test_a_new_request_starts_from_the_engines_recent_acceptance():
     assert random_text.draft_len(num_accepted=0, num_proposed=0, num_steps=0) == 0
     assert repetitive.draft_len(num_accepted=0, num_proposed=0, num_steps=0) >= 2
     assert fixed.prior_acceptance() == 0.5 and fixed.draft_len(num_accepted=0, num_proposed=0, num_steps=0) >= 1
-    # a request's own record still decides once it has one
+    # a request's own record still decides once it outweighs the engine's (8 drafts' worth)
     assert random_text.draft_len(num_accepted=19, num_proposed=20, num_steps=20) >= 2
-    assert repetitive.draft_len(num_accepted=0, num_proposed=30, num_steps=30) == 0
+    assert repetitive.draft_len(num_accepted=0, num_proposed=100, num_steps=100) == 0
 
 
 def test_the_engines_acceptance_follows_recent_drafts():
