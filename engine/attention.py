@@ -16,7 +16,9 @@ copy and masked, so whatever they hold (even NaN) cannot reach the output.
 Everything index-shaped is computed once per forward and group
 (:func:`build_group_attention`) and reused by every layer of the group.
 Requests are attended in padded *buckets* (decode steps together, a long
-prefill chunk on its own) so no layer loops over requests one by one.
+prefill chunk on its own) so no layer loops over requests one by one; in a
+sliding-window group a long chunk is first cut into tiles of max(W, 32)
+queries, each read as a request of its own (:func:`_window_tiles`).
 """
 
 from __future__ import annotations
