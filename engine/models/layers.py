@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
     ``scale_in_float32`` picks where the cast back happens, as in ``transformers``:
     Llama-style ``weight * x.to(dtype)`` (False) or GPT-OSS-style ``(weight * x).to(dtype)`` (True).
     With float32 input and weight on the CPU (no cast either way) it is ATen's fused ``rms_norm``:
-    bit-identical to the five-op formula (tested over hidden sizes 33..4096), 12 against 27 us
+    bit-identical to the five-op formula (hypothesis-tested over hidden sizes 1..4096), 12 against 27 us
     for 32 rows of 128.
     """
 
