@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention import GroupAttention, build_group_attention, paged_attention
+from engine.attention import paged_attention
+from engine.attention_plan import GroupAttention, build_group_attention
 from engine.forward import ForwardBatch
 from engine.layout import LayerSlot, head_dim, layer_slots, num_kv_heads
 from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope

@@ -47,3 +47,23 @@ def test_decode_attention_matches_written_out_softmax(num_heads, num_kv_heads):
     no_sinks = torch.full((num_heads,), float("-inf"))
     out = attend(q, k, v, mask, 0.3)
     torch.testing.assert_close(out, reference(q, k, v, mask, 0.3, no_sinks), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("with_sinks", [True, False])
+@pytest.mark.parametrize("num_q", [2, 7, 40])
+def test_causal_attention_matches_written_out_softmax(num_q, with_sinks, dtype, tolerance):
+    """``mask=None`` (a fresh prompt's own keys): query j attends keys 0..j, as the explicit
+    lower-triangular mask would; float32 takes the kernel's causal mode, bf16 the mask."""
+    gen = torch.Generator().manual_seed(num_q)
+    q = torch.randn(3, num_q, 4, 8, generator=gen)
+    k, v = (torch.randn(3, num_q, 2, 8, generator=gen) for _ in range(2))
+    sinks = torch.tensor([-1.0, 0.0, 2.0, 8.0]) if with_sinks else None
+    tril = torch.ones(num_q, num_q, dtype=torch.bool).tril().expand(3, -1, -1)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out = attend(q, k, v, None, 0.3, sinks)
+    want = reference(*(t.float() for t in (q, k, v)), tril, 0.3,
+                     sinks if with_sinks else torch.full((4,), float("-inf")))
+    torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
+    if dtype == torch.float32:  # the kernel's causal mode gives the explicit mask's bits
+        assert torch.equal(out, attend(q, k, v, tril, 0.3, sinks))

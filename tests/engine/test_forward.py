@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.attention import build_group_attention
+from engine.attention_plan import build_group_attention
 from engine.forward import ForwardBatch, positions_of
 
 LAYERS = 2  # layers in the group: a page holds LAYERS * 2 (K, V) rows
@@ -58,24 +58,27 @@ def test_group_attention_reads_exactly_each_querys_window(lens, block_size, wind
     seen_tokens = []
     for bucket in meta.buckets:
         num_rows, num_queries = bucket.query_rows.shape
-        key_len = bucket.mask.shape[2]
+        causal = bucket.mask is None  # keys: the new tokens query_rows themselves, query j reads columns 0..j
+        key_len = num_queries if causal else bucket.mask.shape[2]
         blocks = key_len // block_size
         real = set(bucket.out_rows.tolist())
         dead = set(bucket.dead_keys.tolist())
+        assert not causal or (len(bucket.block_rows) == 0 and not dead)  # a causal bucket reads no page
         for i in range(num_rows):
             r = request_of[int(bucket.query_rows[i, 0])]
             pages = [int(row) // page_rows for row in bucket.block_rows[i * blocks:(i + 1) * blocks]]
-            # the position each gathered key column holds: its page's ordinal in r's table, and its slot
-            key_positions = [tables[r].index(pages[c // block_size]) * block_size + c % block_size
-                             for c in range(key_len)]
+            # the position each key column holds: the new token's, or its page's ordinal in r's table and its slot
+            key_positions = ([positions[int(t)] for t in bucket.query_rows[i]] if causal else
+                             [tables[r].index(pages[c // block_size]) * block_size + c % block_size
+                              for c in range(key_len)])
             for j in range(num_queries):
                 token = int(bucket.query_rows[i, j])
                 assert request_of[token] == r
-                attended = [key_positions[c] for c in range(key_len) if bucket.mask[i, j, c]]
+                attended = [key_positions[c] for c in range(key_len) if (c <= j if causal else bucket.mask[i, j, c])]
                 if i * num_queries + j in real:
                     p = positions[token]
                     assert sorted(attended) == list(range(0 if window is None else max(0, p - window + 1), p + 1))
-            for c in range(key_len):
+            for c in range(key_len if not causal else 0):
                 assert (i * key_len + c in dead) == (not bucket.mask[i, :, c].any())
         seen_tokens += bucket.out_tokens.tolist()
         assert bucket.query_rows.flatten()[bucket.out_rows].tolist() == bucket.out_tokens.tolist()
@@ -83,12 +86,19 @@ def test_group_attention_reads_exactly_each_querys_window(lens, block_size, wind
 
 
 def test_a_long_chunk_of_a_sliding_window_layer_is_read_in_tiles():
-    """100 new tokens, window 32: tiles of 32 queries each read their own window's keys only."""
+    """100 new tokens of a fresh prompt, window 32: tiles of 32 queries. The first is causal over its
+    own new tokens (no page read); the others each read their own window's keys only."""
     batch = _batch([(100, 0)], block_size=16, window=32, pages_seed=0)
     meta = build_group_attention(batch, "g", 32, "cpu")
-    widths = sorted((b.query_rows.shape[1], b.mask.shape[2]) for b in meta.buckets)
-    assert sum(b.query_rows.shape[0] for b in meta.buckets) == 4  # tiles of 32, 32, 32, 4
-    assert max(keys for _, keys in widths) <= 32 + 32 + 16  # a tile's window, block-aligned; not 112
+    causal = [b for b in meta.buckets if b.mask is None]
+    paged = [b for b in meta.buckets if b.mask is not None]
+    assert [b.query_rows.tolist() for b in causal] == [[list(range(32))]]
+    assert sum(b.query_rows.shape[0] for b in paged) == 3  # tiles of 32, 32, 4 queries
+    assert sorted(t for b in paged for t in b.out_tokens.tolist()) == list(range(32, 100))
+    assert max(b.mask.shape[2] for b in paged) <= 32 + 32 + 16  # a tile's window, block-aligned; not 112
+    full = build_group_attention(batch, "g", None, "cpu")
+    assert [(b.mask, b.query_rows.tolist()) for b in full.buckets] == [(None, [list(range(100))])]
+    batch = _batch([(100, 7)], block_size=16, window=32, pages_seed=0)  # after 7 cached tokens: pages read
     full = build_group_attention(batch, "g", None, "cpu")
     assert [b.mask.shape for b in full.buckets] == [(1, 100, 112)]  # full attention: one request, all keys
 
