@@ -39,12 +39,15 @@ def paged_attention(
     out = torch.empty_like(query)
     for b in meta.buckets:  # index_select / index_copy_, not [...]: advanced indexing measured ~6x slower on the CPU
         queries = _new_rows(query, b)
-        if b.mask is None:  # a causal bucket: its keys are the new tokens themselves
-            keys, values = _new_rows(key, b), _new_rows(value, b)
+        if b.mask is None and b.prefix_len:  # a long chunk: causal over its own keys, plus the prefix
+            prefix = [_prefix(page_rows, b, row, key.shape[1:]).to(query.dtype) for row in (k_row, k_row + 1)]
+            result = attend_with_prefix(queries, _new_rows(key, b), _new_rows(value, b), prefix, scale, sinks)
+        elif b.mask is None:  # fresh prompts: the keys are the new tokens themselves
+            result = attend(queries, _new_rows(key, b), _new_rows(value, b), None, scale, sinks)
         else:
             keys = _gather(page_rows, b, k_row, key.shape[1:]).to(query.dtype)
             values = _gather(page_rows, b, k_row + 1, key.shape[1:]).to(query.dtype)
-        result = attend(queries, keys, values, b.mask, scale, sinks)
+            result = attend(queries, keys, values, b.mask, scale, sinks)
         out.index_copy_(0, b.out_tokens, result.flatten(0, 1).index_select(0, b.out_rows))
     return out
 
@@ -52,6 +55,11 @@ def paged_attention(
 def _new_rows(rows: torch.Tensor, bucket: AttentionBucket) -> torch.Tensor:
     """[R, Q, H, D] of this step's ``rows`` [N, H, D], as the bucket lays its queries out."""
     return rows.index_select(0, bucket.query_rows.flatten()).view(*bucket.query_rows.shape, *rows.shape[1:])
+
+
+def _prefix(page_rows: torch.Tensor, bucket: AttentionBucket, row: int, head_shape) -> torch.Tensor:
+    """[1, a, Hkv, D]: keys (or values) of positions 0..a-1 of the bucket's one request."""
+    return page_rows.index_select(0, bucket.block_rows + row).view(1, -1, *head_shape)[:, : bucket.prefix_len]
 
 
 def _gather(page_rows: torch.Tensor, bucket: AttentionBucket, row: int, head_shape) -> torch.Tensor:
@@ -152,6 +160,32 @@ def _attend_rescaled(q, k, v, mask, scale, sinks) -> torch.Tensor:
     out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, is_causal=mask is None, attn_mask=bias, scale=scale)
     return out * torch.sigmoid(logsumexp - sinks).unsqueeze(-1)
+
+
+def attend_with_prefix(q, k, v, prefix, scale, sinks=None) -> torch.Tensor:
+    """Float32 on the CPU. q/k/v [R, Q, H(kv), D] as :func:`attend` with ``mask=None`` (causal over the
+    chunk's own keys), and every query also attends all of ``prefix = (keys, values)`` [R, a, Hkv, D]:
+    two kernel calls, merged by their logsumexps ``L_c`` (causal) and ``L_p`` (prefix)::
+
+        out = out_c + (out_p - out_c) * sigmoid(L_p - L_c)        L = logaddexp(L_c, L_p)
+
+    and with sinks, ``out * sigmoid(L - sinks[h])`` as in :func:`_attend_rescaled`.
+    """
+    heads = q.shape[2]
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def per_head(t: torch.Tensor) -> torch.Tensor:  # [R, H, K, D], grouped KV heads repeated
+        t = t.transpose(1, 2)
+        return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
+
+    q = q.transpose(1, 2)
+    out, lse = kernel(q, per_head(k), per_head(v), is_causal=True, scale=scale)
+    out_p, lse_p = kernel(q, per_head(prefix[0]), per_head(prefix[1]), scale=scale)
+    out = out.add_((out_p - out).mul_(torch.sigmoid(lse_p - lse).unsqueeze(-1)))
+    if sinks is not None:
+        lse = torch.logaddexp(lse, lse_p)
+        out = out.mul_(torch.sigmoid(lse - sinks.to(torch.float32).view(heads, 1)).unsqueeze(-1))
+    return out.transpose(1, 2)
 
 
 def _place_keys(keys: torch.Tensor, lead: int, width: int) -> torch.Tensor:

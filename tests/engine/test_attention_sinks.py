@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import attend
+from engine.attention import attend, attend_with_prefix
 
 
 def reference(q, k, v, mask, scale, sinks):
@@ -67,3 +67,20 @@ def test_causal_attention_matches_written_out_softmax(num_q, with_sinks, dtype, 
     torch.testing.assert_close(out.float(), want, rtol=tolerance, atol=tolerance)
     if dtype == torch.float32:  # the kernel's causal mode gives the explicit mask's bits
         assert torch.equal(out, attend(q, k, v, tril, 0.3, sinks))
+
+
+@pytest.mark.parametrize("with_sinks", [True, False])
+@pytest.mark.parametrize(("num_prefix", "num_q", "num_kv_heads"), [(1, 64, 2), (37, 70, 2), (300, 65, 4)])
+def test_prefix_then_causal_matches_written_out_softmax(num_prefix, num_q, num_kv_heads, with_sinks):
+    """A chunk after ``num_prefix`` cached keys: every query reads all of them and its own chunk's keys
+    up to itself; two kernel calls merged by logsumexp give the one softmax over all of it."""
+    gen = torch.Generator().manual_seed(num_prefix + num_q)
+    q = torch.randn(1, num_q, 4, 8, generator=gen)
+    k, v = (torch.randn(1, num_prefix + num_q, num_kv_heads, 8, generator=gen) * 2 for _ in range(2))
+    sinks = torch.tensor([-1.0, 0.0, 2.0, 8.0]) if with_sinks else None
+    prefix = (k[:, :num_prefix], v[:, :num_prefix])
+    out = attend_with_prefix(q, k[:, num_prefix:], v[:, num_prefix:], prefix, 0.3, sinks)
+    positions = torch.arange(num_q) + num_prefix
+    mask = (torch.arange(num_prefix + num_q)[None] <= positions[:, None])[None]
+    want = reference(q, k, v, mask, 0.3, sinks if with_sinks else torch.full((4,), float("-inf")))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,9 @@ from transformers import AutoModelForCausalLM
 from engine import SamplingParams
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
 
-PROMPT_LENGTHS = [7, 33, 50, 71]  # around the 32-token window and 8/16-token blocks
+# around the 32-token window and 8/16-token blocks; 200: with a budget of 100, a fresh chunk of 100
+# (causal over its own keys) then 100 after a prefix (causal + the prefix read apart, engine.attention_plan)
+PROMPT_LENGTHS = [7, 33, 50, 71, 200]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def reference(tiny_model):
     return prompts, expected
 
 
-@pytest.mark.parametrize("tokens_per_block,draft_len,budget", [(8, 0, 1024), (16, 0, 24), (8, 3, 40)])
+@pytest.mark.parametrize("tokens_per_block,draft_len,budget", [(8, 0, 1024), (16, 0, 24), (8, 3, 40), (8, 0, 100)])
 def test_greedy_tokens_match_transformers(tiny_model, reference, tokens_per_block, draft_len, budget):
     prompts, expected = reference
     engine = make_engine(tiny_model, tokens_per_block=tokens_per_block, max_draft_len=draft_len,

@@ -58,23 +58,28 @@ def test_group_attention_reads_exactly_each_querys_window(lens, block_size, wind
     seen_tokens = []
     for bucket in meta.buckets:
         num_rows, num_queries = bucket.query_rows.shape
-        causal = bucket.mask is None  # keys: the new tokens query_rows themselves, query j reads columns 0..j
-        key_len = num_queries if causal else bucket.mask.shape[2]
-        blocks = key_len // block_size
+        # causal: keys are the prefix positions 0..a-1 (a = prefix_len, from pages), then the new tokens
+        # query_rows themselves; query j reads the whole prefix and new columns 0..j
+        causal, prefix = bucket.mask is None, bucket.prefix_len
+        key_len = prefix + num_queries if causal else bucket.mask.shape[2]
+        blocks = len(bucket.block_rows) // num_rows
         real = set(bucket.out_rows.tolist())
         dead = set(bucket.dead_keys.tolist())
-        assert not causal or (len(bucket.block_rows) == 0 and not dead)  # a causal bucket reads no page
+        assert not causal or (not dead and blocks == -(-prefix // block_size))  # only the prefix's pages
+        assert not prefix or num_rows == 1
         for i in range(num_rows):
             r = request_of[int(bucket.query_rows[i, 0])]
             pages = [int(row) // page_rows for row in bucket.block_rows[i * blocks:(i + 1) * blocks]]
-            # the position each key column holds: the new token's, or its page's ordinal in r's table and its slot
-            key_positions = ([positions[int(t)] for t in bucket.query_rows[i]] if causal else
-                             [tables[r].index(pages[c // block_size]) * block_size + c % block_size
-                              for c in range(key_len)])
+            # the position each key column holds: its page's ordinal in r's table and its slot, or the new token's
+            from_pages = prefix if causal else key_len
+            key_positions = [tables[r].index(pages[c // block_size]) * block_size + c % block_size
+                             for c in range(from_pages)]
+            key_positions += [positions[int(t)] for t in bucket.query_rows[i]] if causal else []
             for j in range(num_queries):
                 token = int(bucket.query_rows[i, j])
                 assert request_of[token] == r
-                attended = [key_positions[c] for c in range(key_len) if (c <= j if causal else bucket.mask[i, j, c])]
+                attended = [key_positions[c] for c in range(key_len)
+                            if (c < prefix + j + 1 if causal else bucket.mask[i, j, c])]
                 if i * num_queries + j in real:
                     p = positions[token]
                     assert sorted(attended) == list(range(0 if window is None else max(0, p - window + 1), p + 1))
@@ -98,9 +103,12 @@ def test_a_long_chunk_of_a_sliding_window_layer_is_read_in_tiles():
     assert max(b.mask.shape[2] for b in paged) <= 32 + 32 + 16  # a tile's window, block-aligned; not 112
     full = build_group_attention(batch, "g", None, "cpu")
     assert [(b.mask, b.query_rows.tolist()) for b in full.buckets] == [(None, [list(range(100))])]
-    batch = _batch([(100, 7)], block_size=16, window=32, pages_seed=0)  # after 7 cached tokens: pages read
+    batch = _batch([(100, 7), (30, 7)], block_size=16, window=None, pages_seed=0)  # after 7 cached tokens
     full = build_group_attention(batch, "g", None, "cpu")
-    assert [b.mask.shape for b in full.buckets] == [(1, 100, 112)]  # full attention: one request, all keys
+    masked, split = full.buckets
+    assert masked.mask.shape == (1, 30, 48)  # a short chunk: one masked read of all its keys, from pages
+    assert (split.mask, split.prefix_len, split.query_rows.tolist()) == (None, 7, [list(range(100))])
+    assert len(split.block_rows) == 1  # the prefix's one page; the 100 new keys are the step's own
 
 
 def test_an_unbound_ordinal_inside_the_window_raises():
