@@ -147,8 +147,8 @@ def _build_bucket(members, per_request, table, block_size, window, group, page_r
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
     dead_keys = np.flatnonzero(~mask.any(axis=1))
     out_rows = np.flatnonzero(q_valid)
-    arrays = (query_rows, (pages * page_rows).ravel(), mask, dead_keys, out_rows, query_rows.ravel()[out_rows])
-    return AttentionBucket(*(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
+    return AttentionBucket(*_tensors(query_rows, (pages * page_rows).ravel(), mask, dead_keys, out_rows,
+                                     query_rows.ravel()[out_rows]))
 
 
 def _build_causal_bucket(members, query_lens, offsets) -> AttentionBucket:
@@ -159,8 +159,7 @@ def _build_causal_bucket(members, query_lens, offsets) -> AttentionBucket:
     query_rows = offsets + np.minimum(q_idx, query_lens - 1)
     out_rows = np.flatnonzero(q_idx < query_lens)
     none = np.zeros(0, dtype=np.int64)
-    return AttentionBucket(*(torch.from_numpy(np.ascontiguousarray(a)) if a is not None else None
-                             for a in (query_rows, none, None, none, out_rows, query_rows.ravel()[out_rows])))
+    return AttentionBucket(*_tensors(query_rows, none, None, none, out_rows, query_rows.ravel()[out_rows]))
 
 
 def _build_split_bucket(r, query_lens, query_starts, offsets, table, block_size, group, page_rows):
@@ -169,10 +168,13 @@ def _build_split_bucket(r, query_lens, query_starts, offsets, table, block_size,
     pages = table[r, : (a - 1) // block_size + 1]
     _raise_unbound(pages, np.ones_like(pages, dtype=bool), group, "attention")
     query_rows = np.arange(offset, offset + num_queries)[None]
-    tensors = (torch.from_numpy(np.ascontiguousarray(x)) for x in (
-        query_rows, pages * page_rows, np.zeros(0, dtype=np.int64), np.arange(num_queries), query_rows[0]))
-    query_rows, block_rows, none, out_rows, out_tokens = tensors
-    return AttentionBucket(query_rows, block_rows, None, none, out_rows, out_tokens, prefix_len=a)
+    none = np.zeros(0, dtype=np.int64)
+    return AttentionBucket(*_tensors(query_rows, pages * page_rows, None, none, np.arange(num_queries),
+                                     query_rows[0]), prefix_len=a)
+
+
+def _tensors(*arrays: np.ndarray | None) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
 
 
 def _plan(indices: np.ndarray, query_lens: np.ndarray, key_lens: np.ndarray) -> list[list[int]]:
@@ -207,21 +209,27 @@ def build_group_attention(
         first_blocks = np.maximum(0, query_starts - window + 1) // block_size
     num_blocks = (seq_lens - 1) // block_size + 1 - first_blocks
     per_request = (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)
-    # Every query's window (if any) reaches back to position 0: fresh from 0, or split after a prefix.
-    is_unwindowed = seq_lens <= window if window else np.ones_like(seq_lens, dtype=bool)
-    fresh = (query_starts == 0) & (query_lens > 1) & is_unwindowed
     cache = batch.kv_caches[group]
     can_split = cache.dtype == torch.float32 and cache.device.type == "cpu"  # the kernel returns logsumexp
-    split = (query_starts > 0) & (query_lens >= _MIN_SPLIT_QUERIES) & is_unwindowed & can_split
-    paged, causal = np.flatnonzero(~fresh & ~split), np.flatnonzero(fresh)
+    paged, causal, split = _kinds(query_lens, query_starts, seq_lens, window, can_split)
     buckets = [_build_bucket(members, per_request, table, block_size, window, group, page_rows)
                for members in _plan(paged, query_lens, num_blocks * block_size)]
     buckets += [_build_causal_bucket(members, query_lens, offsets)
                 for members in _plan(causal, query_lens, query_lens)]
     buckets += [_build_split_bucket(r, query_lens, query_starts, offsets, table, block_size, group, page_rows)
-                for r in np.flatnonzero(split)]
+                for r in split]
     return GroupAttention(window, torch.from_numpy(write_rows).to(device),
                           tuple(_to_device(b, device) for b in buckets))
+
+
+def _kinds(query_lens, query_starts, seq_lens, window, can_split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Indices of the requests read from pages with a mask, of the fresh ones (causal over their own
+    keys), and of the long chunks after a prefix (causal + the prefix): the last two only where
+    every query's window, if any, reaches back to position 0."""
+    is_unwindowed = seq_lens <= window if window else np.ones_like(seq_lens, dtype=bool)
+    fresh = (query_starts == 0) & (query_lens > 1) & is_unwindowed
+    split = (query_starts > 0) & (query_lens >= _MIN_SPLIT_QUERIES) & is_unwindowed & can_split
+    return np.flatnonzero(~fresh & ~split), np.flatnonzero(fresh), np.flatnonzero(split)
 
 
 def _window_tiles(query_lens, query_starts, offsets, window):
