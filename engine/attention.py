@@ -154,8 +154,7 @@ def _attend_rescaled(q, k, v, mask, scale, sinks) -> torch.Tensor:
 
     q [R, H, Q, D], k/v [R, Hkv, K, D], mask [R, 1, Q, K] bool (None: causal), sinks [H, Q or 1] float32.
     """
-    if k.shape[1] != q.shape[1]:  # grouped KV heads: the kernel takes as many as the queries have
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    k, v = _per_query_head(k, q.shape[1]), _per_query_head(v, q.shape[1])
     bias = None if mask is None else torch.zeros((), dtype=q.dtype).masked_fill(~mask, float("-inf"))
     out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, is_causal=mask is None, attn_mask=bias, scale=scale)
@@ -173,19 +172,19 @@ def attend_with_prefix(q, k, v, prefix, scale, sinks=None) -> torch.Tensor:
     """
     heads = q.shape[2]
     kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-    def per_head(t: torch.Tensor) -> torch.Tensor:  # [R, H, K, D], grouped KV heads repeated
-        t = t.transpose(1, 2)
-        return t.repeat_interleave(heads // t.shape[1], dim=1) if t.shape[1] != heads else t
-
-    q = q.transpose(1, 2)
-    out, lse = kernel(q, per_head(k), per_head(v), is_causal=True, scale=scale)
-    out_p, lse_p = kernel(q, per_head(prefix[0]), per_head(prefix[1]), scale=scale)
+    q, k, v, prefix_k, prefix_v = (t.transpose(1, 2) for t in (q, k, v, *prefix))  # [R, H(kv), len, D]
+    out, lse = kernel(q, _per_query_head(k, heads), _per_query_head(v, heads), is_causal=True, scale=scale)
+    out_p, lse_p = kernel(q, _per_query_head(prefix_k, heads), _per_query_head(prefix_v, heads), scale=scale)
     out = out.add_((out_p - out).mul_(torch.sigmoid(lse_p - lse).unsqueeze(-1)))
     if sinks is not None:
         lse = torch.logaddexp(lse, lse_p)
         out = out.mul_(torch.sigmoid(lse - sinks.to(torch.float32).view(heads, 1)).unsqueeze(-1))
     return out.transpose(1, 2)
+
+
+def _per_query_head(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[R, Hkv, K, D] -> [R, num_heads, K, D]: the CPU kernel takes as many KV heads as query heads."""
+    return t if t.shape[1] == num_heads else t.repeat_interleave(num_heads // t.shape[1], dim=1)
 
 
 def _place_keys(keys: torch.Tensor, lead: int, width: int) -> torch.Tensor:

@@ -192,7 +192,8 @@ def build_group_attention(
     op on these small tensors costs 5-10) from the Python lists, then moved: no device sync."""
     block_size = batch.tokens_per_block
     seq_lens, query_lens = np.asarray(batch.seq_lens, dtype=np.int64), np.asarray(batch.query_lens, dtype=np.int64)
-    page_rows = 2 * batch.kv_caches[group].shape[1]  # K and V rows of every layer in a page
+    cache = batch.kv_caches[group]
+    page_rows = 2 * cache.shape[1]  # K and V rows of every layer in a page
     query_starts, offsets = seq_lens - query_lens, np.cumsum(query_lens) - query_lens
     table = _padded_table(batch.block_tables[group], int(seq_lens.max() - 1) // block_size + 1)
     # On the CPU ForwardBatch checked that positions equal these; a device tensor would need a sync.
@@ -209,7 +210,6 @@ def build_group_attention(
         first_blocks = np.maximum(0, query_starts - window + 1) // block_size
     num_blocks = (seq_lens - 1) // block_size + 1 - first_blocks
     per_request = (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)
-    cache = batch.kv_caches[group]
     can_split = cache.dtype == torch.float32 and cache.device.type == "cpu"  # the kernel returns logsumexp
     paged, causal, split = _kinds(query_lens, query_starts, seq_lens, window, can_split)
     buckets = [_build_bucket(members, per_request, table, block_size, window, group, page_rows)
