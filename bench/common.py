@@ -23,12 +23,20 @@ import torch
 _START = time.monotonic()
 
 
-def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(description: str, argv: list[str] | None = None, device: bool = False) -> argparse.Namespace:
+    """The arguments every benchmark takes; ``device=True`` adds ``--device cpu|cuda`` for those that run on either."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="smallest sizes and one repetition (smoke test)")
     parser.add_argument("--out", default=os.path.join("bench", "out"), help="folder for <name>.json and <name>.png")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of each measurement (default: per mode)")
+    if device:
+        parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where pages and models live")
     return parser.parse_args(argv)
+
+
+def synchronized(device: str) -> Callable[[], None]:
+    """What a timer calls before reading the clock: waits for the GPU's queued work on CUDA, nothing on the CPU."""
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
 @contextlib.contextmanager

@@ -70,10 +70,10 @@ def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[
 
 
 def run_fresh(path: str, concurrency: int, longest: int, prompts: list[list[int]],
-              max_tokens: int) -> tuple[list[list[int]], float, float]:
+              max_tokens: int, **kwargs) -> tuple[list[list[int]], float, float]:
     """``run_ours`` on a new engine (loaded and warmed up on two prompts, not timed): an engine
-    kept from an earlier rep would serve these prompts from its prefix cache."""
-    llm = make_llm(path, concurrency, longest, max_tokens)
+    kept from an earlier rep would serve these prompts from its prefix cache. ``kwargs``: ``make_llm``'s."""
+    llm = make_llm(path, concurrency, longest, max_tokens, **kwargs)
     run_ours(llm, prompts[:2], 2)
     return run_ours(llm, prompts, max_tokens)
 
@@ -85,8 +85,8 @@ def run_hf(hf, prompts: list[list[int]], max_tokens: int, batch: int,
         for i in range(0, len(prompts), batch):
             chunk = prompts[i:i + batch]
             width = max(map(len, chunk))
-            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=hf.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=hf.device)
             with torch.inference_mode():  # eos_token_id=None: never stop early, never suppress EOS (= ignore_eos)
                 out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False,
                                   pad_token_id=pad_id, eos_token_id=None)

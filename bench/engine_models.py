@@ -113,7 +113,7 @@ def repetitive_prompts(num: int, seed: int = 1) -> list[list[int]]:
     return prompts
 
 
-def make_llm(path: str, concurrency: int, longest: int, max_tokens: int, **kwargs) -> LLM:
+def make_llm(path: str, concurrency: int, longest: int, max_tokens: int, device: str = "cpu", **kwargs) -> LLM:
     B = 16
     pages = concurrency * (-(-(longest + max_tokens + 8) // B) + 1) + 16  # no preemption at this concurrency
-    return LLM(path, device="cpu", tokens_per_block=B, num_pages=pages, max_num_seqs=concurrency, **kwargs)
+    return LLM(path, device=device, tokens_per_block=B, num_pages=pages, max_num_seqs=concurrency, **kwargs)

@@ -3,21 +3,26 @@
 #
 #   bash bench/gpu_check.sh            # from anywhere; logs in ${OUT:-bench/out}/gpu_check/
 #   GPU_CHECK_VENV=/path/to/venv       # default ~/.cache/windserve/venv-gpu; PIP_* variables reach pip
+#   PY=python3 bash bench/gpu_check.sh # no install: PY and its packages as they are (an offline machine
+#                                      # whose python3 has CUDA torch, ray and nixl on its PYTHONPATH)
 #   GPU_CHECK_DEVICE=cpu PY=.venv/bin/python bash bench/gpu_check.sh
 #                                      # dry run on a CPU machine (CI runs it: tests/bench/test_gpu_check.py):
 #                                      # no install (PY's packages), the greedy and disagg checks on cpu,
-#                                      # parity and benchmarks skipped (the test suite runs them on cpu)
+#                                      # GPU tests, parity and benchmarks skipped (the test suite runs them on cpu)
 #
 # Steps, each under its own timeout, each failing loudly (banner + log tail; exit 1 at the end):
+#   install       (without PY) a venv (--system-site-packages when the system torch has CUDA: its torch is
+#                 kept), pip install -e .[test] (no cpu extra); offline, the already-installed packages are used
 #   versions      nvidia-smi, python, torch + CUDA, ray, nixl, transformers
-#   install       a venv (--system-site-packages when the system torch has CUDA: its torch is kept),
-#                 pip install -e .[test] (no cpu extra); offline, the already-installed packages are used
-#   parity        tests/engine/test_model_parity.py + test_engine_vs_transformers.py (wired to the CPU)
+#   gpu_tests     pytest -m gpu: tests/engine/test_cuda.py (models and engine vs transformers on cuda,
+#                 float32 and bf16; disaggregated == aggregated in bf16)
 #   greedy        our engine on cuda (drafts 0 and 3) vs transformers generate on cuda: same greedy tokens
 #   disagg        ContextWorker + GenerationWorker as Ray actors, EngineConfig(device="cuda"), NIXL with
-#                 VRAM registration; tokens == an AggregatedWorker on cuda; KV bytes moved > 0
-#   bench_*       python -m bench.transfer --quick, python -m bench.engine --quick (when present)
-# A short table comes last. Budget: under 5 minutes on an idle machine.
+#                 VRAM registration; tokens == an AggregatedWorker on cuda (float32 and bf16); KV bytes moved > 0
+#   bench_*       python -m bench.transfer --quick --device cuda, python -m bench.engine_cuda
+#   parity        tests/engine/test_model_parity.py + test_engine_vs_transformers.py (on this machine's CPU,
+#                 under its transformers; last, so a slow CPU costs only this step)
+# A short table comes last. Budget: about 5 minutes on an idle machine.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -185,8 +190,8 @@ from engine import SamplingParams
 from tests.actors.disagg_helpers import disagg_request, random_prompts
 
 
-def config(transport: str, **engine) -> WorkerConfig:
-    return WorkerConfig(device=os.environ["DEVICE"], dtype="float32", tokens_per_block=8, transport=transport, **engine)
+def config(transport: str, dtype: str, **engine) -> WorkerConfig:
+    return WorkerConfig(device=os.environ["DEVICE"], dtype=dtype, tokens_per_block=8, transport=transport, **engine)
 
 
 async def aggregated(worker, request_id, prompt, params):
@@ -199,11 +204,11 @@ async def aggregated(worker, request_id, prompt, params):
     return tokens
 
 
-async def main() -> int:
+async def check(dtype: str) -> int:
     remote = lambda cls: ray.remote(num_cpus=0, num_gpus=0)(cls)  # noqa: E731 (num_gpus=0: the GPU stays visible)
-    ctx = remote(ContextWorker).remote(config("nixl"))
-    gen = remote(GenerationWorker).remote(config("nixl", max_draft_len=2))
-    agg = remote(AggregatedWorker).remote(config("local"))
+    ctx = remote(ContextWorker).remote(config("nixl", dtype))
+    gen = remote(GenerationWorker).remote(config("nixl", dtype, max_draft_len=2))
+    agg = remote(AggregatedWorker).remote(config("local", dtype))
     await asyncio.gather(*(w.start.remote() for w in (ctx, gen, agg)))  # whoever creates a worker starts it
     prompts = random_prompts(12, seed=3) + [list(range(200))]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -216,32 +221,42 @@ async def main() -> int:
     stats = await gen.stats.remote()
     bad = sum(g != w for g, w in zip(got, want))
     print(f"requests={len(prompts)} identical={len(prompts) - bad} kv_transfer_bytes={stats.get('kv_transfer_bytes')} "
-          f"disagg_s={disagg_s:.2f} (concurrent) aggregated_s={agg_s:.2f} (one by one)")
+          f"disagg_s={disagg_s:.2f} (concurrent) aggregated_s={agg_s:.2f} (one by one) dtype={dtype}")
     await asyncio.sleep(1.0)  # the context side frees a request's pages once the generation side releases them
     leaked = 0
     for name, worker in (("context", ctx), ("generation", gen), ("aggregated", agg)):
         s = await worker.stats.remote()
         leaked += s["num_free_pages"] != s["num_total_pages"]
         print(name, {k: s.get(k) for k in ("num_free_pages", "num_total_pages", "kv_transfer_bytes")})
+    for worker in (ctx, gen, agg):
+        ray.kill(worker)
     if bad or leaked or not stats.get("kv_transfer_bytes"):
-        print(f"FAIL: {bad} outputs differ, {leaked} workers hold pages, or no KV moved", file=sys.stderr)
+        print(f"FAIL ({dtype}): {bad} outputs differ, {leaked} workers hold pages, or no KV moved", file=sys.stderr)
         return 1
     return 0
+
+
+async def main() -> int:
+    failed = 0
+    for dtype in os.environ.get("DISAGG_DTYPES", "float32").split():
+        failed += await check(dtype)
+    return 1 if failed else 0
 
 
 assert os.environ["DEVICE"] == "cpu" or torch.cuda.is_available()
 ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
 try:
-    sys.exit(asyncio.run(asyncio.wait_for(main(), timeout=150)))
+    sys.exit(asyncio.run(asyncio.wait_for(main(), timeout=240)))
 finally:
     ray.shutdown()
 EOF
 }
 
-bench_module() {  # bench_module NAME: python -m bench.NAME --quick, with --device cuda when it takes one
+bench_module() {  # bench_module NAME [ARGS...]: python -m bench.NAME ARGS, with --device cuda when it takes one
   local name=$1 extra=()
+  shift
   if "$PY" -m "bench.$name" --help 2>/dev/null | grep -q -- '--device'; then extra=(--device "$DEVICE"); fi
-  "$PY" -m "bench.$name" --quick --out "$LOG_DIR/bench" ${extra[@]+"${extra[@]}"}
+  "$PY" -m "bench.$name" "$@" --out "$LOG_DIR/bench" ${extra[@]+"${extra[@]}"}
 }
 
 echo "== gpu_check in $ROOT, $(date -u), $(uname -srm)"
@@ -251,34 +266,41 @@ fi
 python3 -V || { echo "no python3 on this machine" >&2; exit 1; }
 export ROOT LOG_DIR PY VENV IMPORTS_CHECK DEVICE
 export -f versions system_torch_has_cuda install bench_module
-if [[ $DEVICE == cuda ]]; then
+if [[ $DEVICE == cuda && -z $PY ]]; then
   step install 240 yes install
   PY="$VENV/bin/python"
 else
   PY="${PY:-python3}"
-  skipped install "dry run on cpu: $PY and its packages as they are"
+  skipped install "PY given: $PY and its packages as they are"
 fi
 export PY PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" RAY_DEDUP_LOGS=0
+export DISAGG_DTYPES="float32$([[ $DEVICE == cuda ]] && echo ' bfloat16')"
 step versions 60 yes versions
 if [[ $DEVICE == cuda ]]; then
-  step parity 180 no "$PY" -m pytest -q -x -p no:cacheprovider \
-    tests/engine/test_model_parity.py tests/engine/test_engine_vs_transformers.py
+  step gpu_tests 180 no "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cuda.py
 else
-  skipped parity "dry run: the test suite runs these on cpu"
+  skipped gpu_tests "dry run: no CUDA (the tests skip themselves)"
 fi
 write_greedy_check
 step greedy 150 no "$PY" "$WORK/greedy.py"
 write_disagg_check
-step disagg 200 no "$PY" "$WORK/disagg.py"
-for name in transfer engine; do
+step disagg 270 no "$PY" "$WORK/disagg.py"
+for bench in "transfer --quick" "engine_cuda"; do  # engine_cuda's full mode: c up to 64, two models, two dtypes
+  name=${bench%% *}
   if [[ $DEVICE == cpu ]]; then
     skipped "bench_$name" "dry run: tests/bench runs the benchmarks' smoke tests"
   elif "$PY" -m "bench.$name" --help >/dev/null 2>&1; then
-    step "bench_$name" 150 no bench_module "$name"
+    step "bench_$name" 180 no bench_module $bench
   else
     skipped "bench_$name" "python -m bench.$name is not there"
   fi
 done
+if [[ $DEVICE == cuda ]]; then
+  step parity 150 no "$PY" -m pytest -q -x -p no:cacheprovider \
+    tests/engine/test_model_parity.py tests/engine/test_engine_vs_transformers.py
+else
+  skipped parity "dry run: the test suite runs these on cpu"
+fi
 grep -h -E '^(drafts=|requests=)' "$LOG_DIR"/greedy.log "$LOG_DIR"/disagg.log 2>/dev/null || true
 print_table
 rm -rf "$WORK"

@@ -35,15 +35,16 @@ MODES = {
 }
 
 
-async def start(path: str, mode: dict) -> Bench:
-    """Context, generation and fragmented-generation workers; two buffer peers, connected."""
-    remote = ray.remote(num_cpus=0)
+async def start(path: str, mode: dict, device: str) -> Bench:
+    """Context, generation and fragmented-generation workers; two buffer peers, connected; all on ``device``."""
+    remote = ray.remote(num_cpus=0)  # and num_gpus=0: Ray leaves CUDA_VISIBLE_DEVICES alone, every actor sees the GPU
     largest, frag_largest = max(mode["sizes"]), mode["fragmented_max"]
-    ctx = remote(SyntheticContextWorker).remote(worker_config(path, -(-largest // B) + 2))
-    gen = remote(BenchGenerationWorker).remote(worker_config(path, -(-(largest + DRAFTS) // B) + 2, DRAFTS))
-    frag = remote(BenchGenerationWorker).remote(worker_config(path, 2 * (-(-(frag_largest + DRAFTS) // B) + 2), DRAFTS))
+    ctx = remote(SyntheticContextWorker).remote(worker_config(path, -(-largest // B) + 2, device=device))
+    gen = remote(BenchGenerationWorker).remote(worker_config(path, -(-(largest + DRAFTS) // B) + 2, DRAFTS, device))
+    frag = remote(BenchGenerationWorker).remote(
+        worker_config(path, 2 * (-(-(frag_largest + DRAFTS) // B) + 2), DRAFTS, device))
     sizes = {f"p{p}": sum(min_slice_pages(p)) * PAGE_NBYTES for p in mode["sizes"]}
-    src, dst = remote(BufferPeer).remote(sizes, 1), remote(BufferPeer).remote(sizes, 2)
+    src, dst = remote(BufferPeer).remote(sizes, 1, device), remote(BufferPeer).remote(sizes, 2, device)
     await asyncio.gather(*(worker.start.remote() for worker in (ctx, gen, frag)))  # whoever creates one starts it
     await asyncio.gather(ctx.fill_random.remote(0), frag.fragment.remote(), gen.stats.remote())
     (src_name, src_meta), (dst_name, dst_meta) = await src.agent.remote(), await dst.agent.remote()
@@ -69,8 +70,8 @@ async def cross_check(bench: Bench, sizes: tuple[int, ...]) -> list[dict]:
     return rows
 
 
-async def run(path: str, mode: dict, fixed_reps: int | None) -> dict:
-    bench = await start(path, mode)
+async def run(path: str, mode: dict, fixed_reps: int | None, device: str) -> dict:
+    bench = await start(path, mode, device)
     smallest = min(mode["sizes"])
     await bench.transfer(bench.gen, smallest)  # connects the peers
     await bench.transfer(bench.frag, smallest)
@@ -81,7 +82,7 @@ async def run(path: str, mode: dict, fixed_reps: int | None) -> dict:
         reps = fixed_reps or reps_for(prompt_len, mode)
         progress(f"P={prompt_len}: {reps} x (slice, single buffer, memcpy"
                  f"{', fragmented' if prompt_len <= mode['fragmented_max'] else ''})")
-        rows.append(await measure_size(bench, prompt_len, reps, prompt_len <= mode["fragmented_max"]))
+        rows.append(await measure_size(bench, prompt_len, reps, prompt_len <= mode["fragmented_max"], device))
         r = rows[-1]
         progress(f"  {r['bytes_moved'] / 2**20:.1f} MiB ({r['bytes_ratio']:.2f} x min), {r['pages']} pages in "
                  f"{r['descriptors']} runs, {r['slice_gb_s']:.2f} GB/s = "
@@ -90,18 +91,19 @@ async def run(path: str, mode: dict, fixed_reps: int | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(DESCRIPTION, argv)
+    args = parse_args(DESCRIPTION, argv, device=True)
     with torch_threads(1):  # one torch thread, as the measurements assume; restored after
         mode = MODES["quick" if args.quick else "full"]
         tmp = tempfile.mkdtemp(prefix="windserve-bench-")
         start_ray(num_cpus=os.cpu_count())
         try:
             path = build_model(os.path.join(tmp, "gptoss-xfer"))
-            result = asyncio.run(run(path, mode, args.reps))
+            result = asyncio.run(run(path, mode, args.reps, args.device))
         finally:
             ray.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)
-        figures = {"mode": "quick" if args.quick else "full", "reps": args.reps or "per size (reps_for)",
+        figures = {"mode": "quick" if args.quick else "full", "device": args.device,
+                   "reps": args.reps or "per size (reps_for)",
                    "geometry": {"tokens_per_block": B, "window": W, "layers": LAYERS, "kv_heads": KV_HEADS,
                                 "head_dim": HEAD_DIM, "dtype_bytes": DTYPE_BYTES, "page_nbytes": PAGE_NBYTES,
                                 "generation_draft_len": DRAFTS},

@@ -39,6 +39,6 @@ def window_unaware_pages(prompt_len: int) -> int:
     return 2 * -(-prompt_len // B)  # both groups send every prompt page
 
 
-def worker_config(path: str, num_pages: int, drafts: int = 0) -> WorkerConfig:
-    return WorkerConfig(model=path, tokens_per_block=B, num_pages=num_pages, max_draft_len=drafts, device="cpu",
+def worker_config(path: str, num_pages: int, drafts: int = 0, device: str = "cpu") -> WorkerConfig:
+    return WorkerConfig(model=path, tokens_per_block=B, num_pages=num_pages, max_draft_len=drafts, device=device,
                         transport="nixl")

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from bench.common import ainterleave, median, ratio, timed
+from bench.common import ainterleave, median, ratio, synchronized, timed
 from bench.transfer.geometry import PAGE_NBYTES, B, W, min_slice_pages, window_unaware_pages
 from engine import SamplingParams
 from engine.handoff import HANDOFF_MAX_TOKENS
@@ -74,12 +74,18 @@ def reps_for(prompt_len: int, mode: dict) -> int:
     return max(mode["min_reps"], min(mode["max_reps"], round(REP_BYTES / nbytes)))
 
 
-async def measure_size(bench: Bench, prompt_len: int, reps: int, fragmented: bool) -> dict:
+async def measure_size(bench: Bench, prompt_len: int, reps: int, fragmented: bool, device: str = "cpu") -> dict:
     nbytes = sum(min_slice_pages(prompt_len)) * PAGE_NBYTES
-    src, dst = torch.randint(0, 256, (nbytes,), dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
+    dst, sync = torch.empty_like(src), synchronized(device)
 
-    async def memcpy() -> float:
-        return timed(dst.copy_, src)[1]
+    def copy() -> None:
+        dst.copy_(src)
+        sync()
+
+    async def memcpy() -> float:  # within one device (host memory, or the GPU's)
+        sync()
+        return timed(copy)[1]
 
     candidates = {"slice": lambda: bench.transfer(bench.gen, prompt_len),
                   "buffer": lambda: bench.buffer_read(f"p{prompt_len}"), "memcpy": memcpy}

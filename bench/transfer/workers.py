@@ -41,9 +41,8 @@ class SyntheticContextWorker(ContextWorker):
                         lease_deadline=self.leases.grant(request_id), tokens_per_block=manager.spec.tokens_per_block)
 
     async def fill_random(self, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
         for tensor in self.engine.manager.storage.tensors.values():
-            tensor.normal_(generator=generator)
+            tensor.normal_(generator=torch.Generator(device=tensor.device).manual_seed(seed))
 
     async def page_sums(self, group: str, pages: list[int]) -> list[float]:
         return _page_sums(self.engine.manager.storage.tensors[group], pages)
@@ -68,13 +67,13 @@ class BenchGenerationWorker(GenerationWorker):
 
 
 class BufferPeer:
-    """A plain actor with one NIXL-registered buffer per size: the single-descriptor baseline."""
+    """A plain actor with one NIXL-registered buffer per size on ``device``: the single-descriptor baseline."""
 
-    def __init__(self, sizes: dict[str, int], seed: int) -> None:
+    def __init__(self, sizes: dict[str, int], seed: int, device: str = "cpu") -> None:
         torch.set_num_threads(1)
         self.transport = NixlTransport(unique_agent_name("buffer"))
         generator = torch.Generator().manual_seed(seed)
-        self.transport.register({name: torch.randint(0, 256, (1, n), dtype=torch.uint8, generator=generator)
+        self.transport.register({name: torch.randint(0, 256, (1, n), dtype=torch.uint8, generator=generator).to(device)
                                  for name, n in sizes.items()})
 
     def agent(self) -> tuple[str, bytes]:

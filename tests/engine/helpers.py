@@ -56,17 +56,18 @@ def load_pair(arch: str, dtype: torch.dtype = torch.float32):
 class PagedKV:
     """Per-request block tables over NaN-initialised pages, one tensor per layer group."""
 
-    def __init__(self, spec: KVCacheSpec, num_pages: int = 256) -> None:
-        self.spec = spec
+    def __init__(self, spec: KVCacheSpec, num_pages: int = 256, device: str = "cpu") -> None:
+        self.spec, self.device = spec, device
         self.kv = {
-            g.name: torch.full((num_pages, *spec.page_shape(g)), float("nan"), dtype=spec.dtype) for g in spec.groups
+            g.name: torch.full((num_pages, *spec.page_shape(g)), float("nan"), dtype=spec.dtype, device=device)
+            for g in spec.groups
         }
         self.free = {g.name: list(range(num_pages)) for g in spec.groups}
         self.tables: dict[int, dict[str, list[int]]] = {}
 
     @classmethod
-    def for_config(cls, config, tokens_per_block: int, dtype=torch.float32) -> PagedKV:
-        return cls(kv_cache_spec(config, tokens_per_block, dtype))
+    def for_config(cls, config, tokens_per_block: int, dtype=torch.float32, device: str = "cpu") -> PagedKV:
+        return cls(kv_cache_spec(config, tokens_per_block, dtype), device=device)
 
     def prepare(self, request: int, start: int, end: int) -> None:
         """Bind pages for positions < ``end``; unbind sliding ordinals no query at >= ``start`` reads."""
@@ -87,15 +88,16 @@ class PagedKV:
         """``steps``: (request, new token ids, position of the first one); binds pages as needed."""
         for request, tokens, start in steps:
             self.prepare(request, start, start + len(tokens))
+        ids = dict(dtype=torch.long, device=self.device)
         return ForwardBatch(
-            input_ids=torch.tensor([t for _, tokens, _ in steps for t in tokens], dtype=torch.long),
-            positions=torch.tensor([p for _, tokens, s in steps for p in range(s, s + len(tokens))], dtype=torch.long),
+            input_ids=torch.tensor([t for _, tokens, _ in steps for t in tokens], **ids),
+            positions=torch.tensor([p for _, tokens, s in steps for p in range(s, s + len(tokens))], **ids),
             query_lens=[len(tokens) for _, tokens, _ in steps],
             seq_lens=[s + len(tokens) for _, tokens, s in steps],
             block_tables={g: [self.tables[r][g] for r, _, _ in steps] for g in self.kv},
             kv_caches=self.kv,
             tokens_per_block=self.spec.tokens_per_block,
-            logits_indices=None if logits_indices is None else torch.tensor(logits_indices, dtype=torch.long),
+            logits_indices=None if logits_indices is None else torch.tensor(logits_indices, **ids),
         )
 
 

@@ -73,9 +73,14 @@ def transfer(context, generation, request_id, prompt, prefill) -> None:
 
 @pytest.mark.parametrize("draft_len", [0, 3])
 def test_bf16_disaggregated_equals_aggregated(tiny_bf16, draft_len):
+    check_disaggregated_equals_aggregated(tiny_bf16, draft_len)
+
+
+def check_disaggregated_equals_aggregated(tiny_bf16: WorkerModel, draft_len: int) -> None:
+    """Context engine -> page copy by ordinal -> generation engine: the tokens of one bf16 engine doing it all."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = [[(5 * i + 3 * r) % 256 for i in range(40 + 17 * r)] for r in range(3)]
-    kwargs = dict(tokens_per_block=8, max_draft_len=draft_len, dtype="bfloat16")
+    kwargs = dict(tokens_per_block=8, max_draft_len=draft_len, dtype="bfloat16", device=tiny_bf16.device)
     aggregated = run_to_completion(make_engine(tiny_bf16, **kwargs), prompts, params)
     context = make_engine(tiny_bf16, role="context", **kwargs)
     generation = make_engine(tiny_bf16, role="generation", **kwargs)
