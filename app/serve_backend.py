@@ -47,7 +47,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from actors.messages import KVHandle, Prefilled
 from app.placement import GenerationCaches, PromptHasher
 from app.routing import RoutingHint
-from engine.outputs import RequestUpdate
+from engine.outputs import RequestUpdate, without_first_token
 from engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -64,22 +64,6 @@ def is_unavailable(exc: BaseException) -> bool:
     also derives from the cause's (Ray subclasses both): never an unavailable replica.
     """
     return isinstance(exc, UNAVAILABLE_ERRORS) and not isinstance(exc, RayTaskError)
-
-
-def without_first_token(first: RequestUpdate, update: RequestUpdate) -> RequestUpdate:
-    """The generation stream's first update less the k outputs the context side already sent.
-
-    ``add_prefilled`` (or, after a failed transfer, ``resume``) advances the generation
-    engine with those k outputs, so its first update repeats them: same ids, logprobs,
-    and text (held back alike). Only what follows passes on: later tokens, its finish
-    or error, and text a finish flushed past ``first``'s.
-    """
-    k = len(first.new_token_ids)
-    if update.new_token_ids[:k] != first.new_token_ids:
-        return update
-    text = update.new_text[len(first.new_text):] if update.new_text.startswith(first.new_text) else ""
-    logprobs = update.logprobs[k:] if update.logprobs is not None else None
-    return dataclasses.replace(update, new_token_ids=update.new_token_ids[k:], new_text=text, logprobs=logprobs)
 
 
 def _cancel_opening(opening: asyncio.Task) -> None:

@@ -5,6 +5,7 @@
 #   GPU_CHECK_VENV=/path/to/venv       # default ~/.cache/windserve/venv-gpu; PIP_* variables reach pip
 #   PY=python3 bash bench/gpu_check.sh # no install: PY and its packages as they are (an offline machine
 #                                      # whose python3 has CUDA torch, ray and nixl on its PYTHONPATH)
+#   GPU_CHECK_STEPS="disagg bench_transfer"  # only these steps (and versions); default: all
 #   GPU_CHECK_DEVICE=cpu PY=.venv/bin/python bash bench/gpu_check.sh
 #                                      # dry run on a CPU machine (CI runs it: tests/bench/test_gpu_check.py):
 #                                      # no install (PY's packages), the greedy and disagg checks on cpu,
@@ -50,6 +51,10 @@ print_table() {
 step() {
   local name=$1 limit=$2 required=$3 start rc
   shift 3
+  if [[ -n ${GPU_CHECK_STEPS:-} && $name != versions && " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+    skipped "$name" "not in GPU_CHECK_STEPS"
+    return 0
+  fi
   echo; echo "== [$name] (timeout ${limit}s): $*"
   start=$(date +%s)
   set +e

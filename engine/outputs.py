@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -118,3 +119,19 @@ class RequestOutput:
     num_drafts_accepted: int = 0
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+
+def without_first_token(first: RequestUpdate, update: RequestUpdate) -> RequestUpdate:
+    """The generation stream's first update less the k outputs the context side already sent.
+
+    ``add_prefilled`` (or, after a failed transfer, ``resume``) advances the generation
+    engine with those k outputs, so its first update repeats them: same ids, logprobs,
+    and text (held back alike). Only what follows passes on: later tokens, its finish
+    or error, and text a finish flushed past ``first``'s.
+    """
+    k = len(first.new_token_ids)
+    if update.new_token_ids[:k] != first.new_token_ids:
+        return update
+    text = update.new_text[len(first.new_text):] if update.new_text.startswith(first.new_text) else ""
+    logprobs = update.logprobs[k:] if update.logprobs is not None else None
+    return dataclasses.replace(update, new_token_ids=update.new_token_ids[k:], new_text=text, logprobs=logprobs)

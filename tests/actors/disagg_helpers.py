@@ -12,9 +12,8 @@ from actors.config import WorkerConfig
 from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
 from actors.messages import Prefilled
-from app.serve_backend import without_first_token
 from engine import SamplingParams
-from engine.outputs import RequestUpdate
+from engine.outputs import RequestUpdate, without_first_token
 from tests.engine.engine_fixtures import make_engine
 from tests.engine.test_handoff import CANDIDATES, crosses_a_block, handoff_len
 
