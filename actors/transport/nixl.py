@@ -37,12 +37,20 @@ UCX_TLS: left unset; UCX's own choice is as fast here as a forced one. To
 force one anyway, give the actors ``runtime_env={"env_vars": {"UCX_TLS": ...}}``:
 UCX reads it when the first agent of the process is created.
 
+VRAM. UCX's cuda_ipc transport turns READs (get zcopy) off unless it sees
+NVLink; on a GPU without NVLink peers (one H200 in a VM, here) a READ of
+VRAM then fell back to tcp over loopback: 0.5 GB/s (bench/README.md, "On a
+GPU"). So where CUDA is present ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` defaults to
+``yes``, unless the environment sets it. Not yet measured with it on (the GPU
+lease ran out first).
+
 Closing deregisters the pages and drops the agent, which ends its progress
 thread and UCX worker now rather than at process exit.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -163,6 +171,8 @@ def _make_agent(name: str, progress_delay_us: int | None, capture_telemetry: boo
     A READ completes only while its target progresses, so ``None`` (no
     thread) only suits a process that never serves reads.
     """
+    if torch.cuda.is_available():  # module docstring, "VRAM" (without CUDA, UCX warns of an unused variable)
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "yes")  # read at create_backend
     sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=sync))
     config = _bindings.nixlAgentConfig()
