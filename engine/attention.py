@@ -3,13 +3,20 @@ tokens' K/V into their pages, gather each bucket's keys, one fused kernel call p
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention_plan import AttentionBucket, GroupAttention
 
 # Key columns of one block of the CPU flash-attention kernel (kvSplitSize in ATen).
 _INVARIANT_KEY_BLOCK = 512
+# On CUDA, every SDPA backend but cuDNN's: cuDNN builds an execution plan per new shape, and a
+# bucket's key width changes nearly every step: 7.4 ms of host time per call in bf16 on an H200,
+# 84% of a decode step (bench/README.md, "On a GPU"). Float32 never took the cuDNN backend.
+_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def paged_attention(
@@ -142,8 +149,9 @@ def attend(q, k, v, mask, scale, sinks=None) -> torch.Tensor:
             attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
             attn_mask = attn_mask.expand(num_req, heads, rows, width).contiguous()
             attn_mask[..., 0] = sinks.to(q.dtype).view(heads, rows) if is_folded else sinks.to(q.dtype)[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal,
-                                             enable_gqa=not is_folded)
+        with sdpa_kernel(_CUDA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal,
+                                                 enable_gqa=not is_folded)
     if is_folded:
         return out.reshape(num_req, 1, num_heads, head_size)
     return out.transpose(1, 2)
