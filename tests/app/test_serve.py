@@ -195,10 +195,23 @@ def test_sse_wire_format(disagg_url):
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
 
 
+def settled_cancellations(board) -> dict[str, int]:
+    """``num_cancelled`` per role once two board snapshots 1.5 s apart agree: each replica reports every
+    second, so an earlier test's cancellation cannot land after this reading and pass for ours."""
+    previous = None
+    for _ in range(20):
+        now = {e["role"]: e["num_cancelled"] for e in board.snapshot.remote().result()}
+        if now == previous:
+            return now
+        previous = now
+        time.sleep(1.5)
+    raise AssertionError(f"the board's cancellation counts never settled: {now}")
+
+
 def test_disconnect_mid_stream_aborts_and_frees_pages_on_both_workers(disagg_url):
     assert wait_until(lambda: pages_all_free(disagg_url), timeout_s=20)
     board = serve.get_deployment_handle("WorkerStats", app_name="disagg")
-    cancelled_before = {e["role"]: e["num_cancelled"] for e in board.snapshot.remote().result()}
+    cancelled_before = settled_cancellations(board)
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{disagg_url}/v1/completions", json=body, timeout=30) as reply:
         lines = reply.iter_lines()
