@@ -21,7 +21,7 @@ import torch
 
 from bench.common import interleave, parse_args, print_table, progress, write_json
 from bench.engine import run_fresh, run_hf, throughput_row
-from bench.engine_models import MODEL_CHOICES, REAL_MODELS, available_models, parse_models, prompts_for
+from bench.engine_models import REAL_MODELS, available_models, parse_models, prompts_for
 from engine.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # float32 means float32
     tmp = tempfile.mkdtemp(prefix="windserve-bench-")
     try:
-        chosen = tuple(m for m in (models or mode["models"]) if m in MODEL_CHOICES)
+        chosen = models or mode["models"]  # parse_models refused any name outside MODEL_CHOICES
         paths = available_models(chosen, tmp)
         rows = [row for model, path in paths.items() for dtype in DTYPES
                 for row in measure(model, path, dtype, args.device, mode, reps)]
