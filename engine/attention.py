@@ -4,6 +4,7 @@ tokens' K/V into their pages, gather each bucket's keys, one fused kernel call p
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -191,8 +192,27 @@ def attend_with_prefix(q, k, v, prefix, scale, sinks=None) -> torch.Tensor:
 
 
 def _per_query_head(t: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[R, Hkv, K, D] -> [R, num_heads, K, D]: the CPU kernel takes as many KV heads as query heads."""
-    return t if t.shape[1] == num_heads else t.repeat_interleave(num_heads // t.shape[1], dim=1)
+    """[R, Hkv, K, D] as the CPU kernel takes it: as it is where the kernel maps query head ``h`` to KV
+    head ``h // G`` itself (torch 2.13: bit-identical, no copy; 4-11% less time per causal prefill
+    call, bench/README.md), else repeated to [R, num_heads, K, D]."""
+    if t.shape[1] == num_heads or _kernel_takes_grouped_heads():
+        return t
+    return t.repeat_interleave(num_heads // t.shape[1], dim=1)
+
+
+@functools.cache
+def _kernel_takes_grouped_heads() -> bool:
+    """Whether this torch's CPU flash kernel accepts fewer KV heads than query heads, with the same
+    result as the repeated heads (probed once on a tiny input)."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 3, 8, generator=generator) for heads in (4, 2, 2))
+    try:
+        grouped = kernel(q, k, v, is_causal=True, scale=0.5)
+    except RuntimeError:
+        return False
+    repeated = kernel(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True, scale=0.5)
+    return all(torch.equal(a, b) for a, b in zip(grouped, repeated))
 
 
 def _place_keys(keys: torch.Tensor, lead: int, width: int) -> torch.Tensor:

@@ -109,12 +109,11 @@ class Scheduler:
     def _schedule_running(self, request: Request, budget: int) -> ScheduledRequest | None:
         rid = request.request_id
         grow = request.num_tokens - self.manager.num_tokens(rid)
-        while not self.manager.can_append(rid, grow):
+        while not self.manager.try_append(rid, grow):
             victim = self.running[-1]
             self.preempt(victim)
             if victim is request:
                 return None
-        self.manager.append(rid, grow)
         return self._chunk(request, budget)
 
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:

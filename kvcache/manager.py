@@ -199,16 +199,23 @@ class KVCacheManager:
 
     def append(self, request_id: str, num_new_tokens: int) -> None:
         """Hold ``num_new_tokens`` more tokens, binding pages for the new tail ordinals."""
+        if not self.try_append(request_id, num_new_tokens):
+            raise MemoryError(f"not enough free pages to grow request {request_id!r}")
+
+    def try_append(self, request_id: str, num_new_tokens: int) -> bool:
+        """:meth:`append` where the pages are free (True); otherwise nothing changes (False)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if not self.can_append(request_id, num_new_tokens):
-            raise MemoryError(f"not enough free pages to grow request {request_id!r}")
         blocks = self._get(request_id)
         new_len = blocks.ordinals_for(blocks.num_tokens + num_new_tokens)
+        grow = new_len - blocks.num_ordinals
+        if grow > 0 and not all(grow <= pool.num_free for pool in self.pools.values()):
+            return False
         for name, pool in self.pools.items():
             table = blocks.tables[name]
             table.extend(pool.take(new_len - len(table)))
         blocks.num_tokens += num_new_tokens
+        return True
 
     def release_stale(self, request_id: str, num_computed_tokens: int) -> int:
         """Unbind window pages that no query at or after ``num_computed_tokens`` reads.

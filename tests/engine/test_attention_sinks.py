@@ -84,3 +84,23 @@ def test_prefix_then_causal_matches_written_out_softmax(num_prefix, num_q, num_k
     mask = (torch.arange(num_prefix + num_q)[None] <= positions[:, None])[None]
     want = reference(q, k, v, mask, 0.3, sinks if with_sinks else torch.full((4,), float("-inf")))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_q", [1, 40])
+def test_grouped_kv_heads_reach_the_kernel_unrepeated_with_the_same_bits(num_q, monkeypatch):
+    """torch 2.13's CPU flash kernel maps query head h to KV head h // G itself: the engine hands it the
+    KV heads as they are, and gets the bits the repeated heads give (prefill, sinks, float32)."""
+    import engine.attention as attention
+
+    assert attention._kernel_takes_grouped_heads()
+    gen = torch.Generator().manual_seed(num_q)
+    q = torch.randn(3, num_q, 6, 8, generator=gen)
+    k, v = (torch.randn(3, num_q, 2, 8, generator=gen) for _ in range(2))
+    sinks = torch.tensor([-1.0, 0.0, 2.0, 8.0, 0.5, -3.0])
+    mask = None if num_q > 1 else torch.ones(3, 1, 1, dtype=torch.bool)
+    grouped = attend(q, k, v, mask, 0.3, sinks)
+    prefix = (k[:, :1], v[:, :1])
+    grouped_prefix = attend_with_prefix(q, k, v, prefix, 0.3, sinks)
+    monkeypatch.setattr(attention, "_kernel_takes_grouped_heads", lambda: False)
+    assert torch.equal(grouped, attend(q, k, v, mask, 0.3, sinks))
+    assert torch.equal(grouped_prefix, attend_with_prefix(q, k, v, prefix, 0.3, sinks))

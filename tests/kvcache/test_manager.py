@@ -134,8 +134,12 @@ def test_check_then_do_when_full():
     assert manager.can_append("a", 4) and not manager.can_append("a", 5)
     with pytest.raises(MemoryError):
         manager.append("a", 5)
+    assert not manager.try_append("a", 5)  # refused: nothing bound, the length unchanged
     manager.check_integrity()
-    assert manager.get_block_ordinals("a", "full") == [0, 1, 2]
+    assert manager.get_block_ordinals("a", "full") == [0, 1, 2] and manager.num_tokens("a") == 12
+    assert manager.try_append("a", 1) and manager.get_block_ordinals("a", "full") == [0, 1, 2, 3]
+    assert manager.num_tokens("a") == 13 and manager.num_free_pages() == 0
+    manager.check_integrity()
     manager.free("a")
     assert manager.num_free_pages() == 4
 
