@@ -19,7 +19,7 @@ from engine.attention_plan import GroupAttention, build_group_attention
 from engine.forward import ForwardBatch
 from engine.layout import LayerSlot, head_dim, layer_slots, num_kv_heads
 from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
-from engine.models.packed import can_pack, linear, pack
+from engine.models.packed import can_pack, gemv_layout, linear, pack
 
 
 @dataclass(frozen=True)
@@ -62,18 +62,26 @@ class PagedSelfAttention(nn.Module):
         with torch.no_grad():
             weight = torch.cat([p.weight for p in projs])
             bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
-            sizes = [p.weight.shape[0] for p in projs]
-            for proj, part in zip(projs, weight.split(sizes)):
-                proj.weight = nn.Parameter(part, requires_grad=False)
-            if bias is not None:
-                for proj, part in zip(projs, bias.split(sizes)):
-                    proj.bias = nn.Parameter(part, requires_grad=False)
-        self.qkv = (weight, bias, None)
+            self._share_fused(weight, bias)
+
+    def _share_fused(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None):
+        """q/k/v's parameters become views of the fused ``weight`` and ``bias``."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        sizes = [p.weight.shape[0] for p in projs]
+        for proj, part in zip(projs, weight.split(sizes)):
+            proj.weight = nn.Parameter(part, requires_grad=False)
+        if bias is not None:
+            for proj, part in zip(projs, bias.split(sizes)):
+                proj.bias = nn.Parameter(part, requires_grad=False)
+        self.qkv = (weight, bias, packed)
 
     def pack_weights(self, min_elements: int) -> None:
-        """The fused q/k/v weight packed for oneDNN (engine.models.packed), like any large linear."""
+        """The fused q/k/v weight packed for oneDNN (engine.models.packed), like any large linear, and
+        stored for the one-row GEMV (``gemv_layout``; q/k/v stay views of it)."""
         if self.qkv is not None and can_pack(self.qkv[0], min_elements):
-            self.qkv = (self.qkv[0], self.qkv[1], pack(self.qkv[0]))
+            weight, bias, _ = self.qkv
+            with torch.no_grad():
+                self._share_fused(gemv_layout(weight), bias, pack(weight))
 
     def _project(self, hidden: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, ...]:
         """q, k (rotated) and v, [N, heads, head_dim] each."""
@@ -147,10 +155,16 @@ class DecoderForCausalLM(nn.Module):
         self.packed_head: torch.Tensor | None = None
 
     def pack_weights(self, min_elements: int) -> None:
-        """A tied LM head (the embedding) packed for oneDNN; an untied ``lm_head`` is an ``nn.Linear``
-        that engine.models.packed.pack_for_cpu packs itself."""
+        """A tied LM head (the embedding) packed for oneDNN, and the embedding stored for the head's
+        one-row GEMV (``gemv_layout``: [hidden, vocab]; SmolLM2's head 10.5 -> 5.8 ms a decode step, while
+        looking up 32 tokens' rows takes 0.18 instead of 0.01 ms and 2,048 prompt tokens' 18 instead of
+        1 ms). An untied ``lm_head`` is an ``nn.Linear`` that engine.models.packed.pack_for_cpu packs."""
         head = self.model.embed_tokens.weight
-        self.packed_head = pack(head) if self.tie_word_embeddings and can_pack(head, min_elements) else None
+        if not (self.tie_word_embeddings and can_pack(head, min_elements)):
+            self.packed_head = None
+            return
+        self.packed_head = pack(head)
+        self.model.embed_tokens.weight = nn.Parameter(gemv_layout(head.detach()), requires_grad=head.requires_grad)
 
     def _make_layer(self, hf_config, slot: LayerSlot) -> DecoderLayer:
         attn = PagedSelfAttention(hf_config, slot, self.attention_options(hf_config))

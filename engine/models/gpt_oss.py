@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.decoder import AttentionOptions, DecoderForCausalLM
-from engine.models.packed import can_pack, linear, pack
+from engine.models.packed import can_pack, gemv_layout, linear, pack
 
 # Rows of one expert chunk: gate_up [256, 2I] of a mid-sized model stays in cache between the
 # matmul and the activation (an expert layer of 256 tokens, [512, 1024] experts: 27-29 ms against
@@ -53,9 +53,13 @@ class Experts(nn.Module):
         self.packed: dict[str, list[torch.Tensor]] = {}  # weight name -> per expert (engine.models.packed)
 
     def pack_weights(self, min_elements: int) -> None:
-        """Each expert's two weights, packed for oneDNN (float32 on the CPU only)."""
+        """Each expert's two weights, packed for oneDNN (float32 on the CPU only), and stored for the
+        one-row GEMV (``gemv_layout``: ``down_proj``, narrower out than in, as [experts, out, in])."""
         if can_pack(self.gate_up_proj[0], min_elements) and can_pack(self.down_proj[0], min_elements):
             self.packed = {name: [pack(w.t()) for w in getattr(self, name)] for name in ("gate_up_proj", "down_proj")}
+            for name in ("gate_up_proj", "down_proj"):
+                per_expert = getattr(self, name).detach().transpose(1, 2)  # [experts, out, in]: what a matmul reads
+                setattr(self, name, nn.Parameter(gemv_layout(per_expert).transpose(1, 2), requires_grad=False))
 
     def _matmuls(self, rows: torch.Tensor, name: str, pieces: list[tuple[int, int, int]],
                  offset: int) -> torch.Tensor:

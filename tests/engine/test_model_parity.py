@@ -187,3 +187,21 @@ def test_build_model_names_unsupported_architecture():
     with pytest.raises(ValueError, match="FalconForCausalLM.*LlamaForCausalLM"):
         build_model(config)
     assert set(MODEL_REGISTRY) == {"GptOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+
+def test_packed_weights_are_stored_for_the_one_row_gemv(pair):
+    """In the ``onednn`` models every packed weight whose output is at least as wide as its input is stored
+    [in, out] (engine.models.packed.gemv_layout), a tied embedding included: the one-row matmuls that
+    test_greedy_tokens_match_generate runs (batch 1) read them so, against transformers' tokens."""
+    from engine.models.packed import PackedLinear
+
+    _, _, ours, config = pair
+    linears = [m for m in ours.modules() if isinstance(m, PackedLinear)]
+    if not linears:
+        pytest.skip("the mkl model: nothing packed")
+    weights = [m.weight for m in linears] + [m.qkv[0] for m in ours.modules() if getattr(m, "qkv", None)]
+    if ours.tie_word_embeddings:
+        weights.append(ours.model.embed_tokens.weight)
+    for weight in weights:
+        out_features, in_features = weight.shape
+        assert (weight.t() if out_features >= in_features else weight).is_contiguous()

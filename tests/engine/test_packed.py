@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from engine.models.gpt_oss import Experts
-from engine.models.packed import PackedLinear, can_pack, linear, pack, pack_for_cpu
+from engine.models.packed import PackedLinear, can_pack, gemv_layout, linear, pack, pack_for_cpu
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1), 0), reason="no oneDNN in this torch build")
@@ -40,6 +40,23 @@ def test_in_out_weight_packed_transposed_equals_addmm(rows, seed):
                                rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=40, deadline=None)
+@given(lead=st.sampled_from([(), (3,)]), out_features=st.integers(1, 96), in_features=st.integers(1, 96),
+       seed=st.integers(0, 1000))
+def test_gemv_layout_keeps_the_values_and_stores_the_wider_side_last(lead, out_features, in_features, seed):
+    """[..., out, in] as F.linear reads it: out >= in is stored [..., in, out] (the one-row GEMV then streams
+    rows of the weight), otherwise [..., out, in]; shape and every value as they were."""
+    weight = seeded(*lead, out_features, in_features, seed=seed)
+    laid = gemv_layout(weight)
+    assert laid.shape == weight.shape and torch.equal(laid, weight)
+    stored = laid.transpose(-2, -1) if out_features >= in_features else laid
+    assert stored.is_contiguous()
+    x = seeded(1, in_features, seed=seed + 1)
+    w2d = laid.reshape(-1, out_features, in_features)[0]  # one matrix of the stack
+    torch.testing.assert_close(F.linear(x, w2d), F.linear(x, weight.reshape(-1, out_features, in_features)[0]),
+                               rtol=1e-5, atol=1e-5 * in_features)
+
+
 def test_packed_row_does_not_depend_on_its_batch():
     """oneDNN computes each row alike in any batch of two or more rows (MKL does not promise that)."""
     x, weight = seeded(8, 512, seed=0), seeded(1024, 512, seed=1)
@@ -54,22 +71,27 @@ def test_pack_for_cpu_packs_large_float32_linears_only():
     state = {k: v.clone() for k, v in model.state_dict().items()}
     pack_for_cpu(model)
     assert [type(m) for m in model] == [PackedLinear, nn.Linear, nn.Linear]
+    assert model[0].weight.t().is_contiguous()  # square: stored [in, out] for the one-row GEMV (gemv_layout)
     assert model[0].weight is not None and set(model.state_dict()) == set(state)  # same names, same tensors
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     x = seeded(3, 2, 512, seed=4)  # leading dims kept
     torch.testing.assert_close(model[0](x), F.linear(x, state["0.weight"], state["0.bias"]), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("intermediate", [48, 96])  # 96: down_proj narrows (96 -> 64), stored [experts, out, in]
 @pytest.mark.parametrize("num_tokens", [1, 5, 700])  # 700 x top-2 rows: several expert chunks
-def test_packed_experts_equal_unpacked(num_tokens):
+def test_packed_experts_equal_unpacked(num_tokens, intermediate):
     torch.manual_seed(0)
-    plain, packed = Experts(64, 48, 4, alpha=1.702, limit=7.0), Experts(64, 48, 4, alpha=1.702, limit=7.0)
+    plain, packed = (Experts(64, intermediate, 4, alpha=1.702, limit=7.0) for _ in range(2))
     with torch.no_grad():
         for p in plain.parameters():
             p.normal_(0, 0.5)
     packed.load_state_dict(plain.state_dict())
     packed.pack_weights(min_elements=0)
     assert set(packed.packed) == {"gate_up_proj", "down_proj"}
+    assert all(torch.equal(packed.state_dict()[k], v) for k, v in plain.state_dict().items())
+    assert packed.gate_up_proj.is_contiguous()  # [experts, 64, 2 x intermediate]: out wider than in, as loaded
+    assert packed.down_proj.transpose(1, 2).is_contiguous() == (intermediate > 64)
     x = seeded(num_tokens, 64, seed=3)
     weights, experts = seeded(num_tokens, 4, seed=5).topk(2, dim=-1)
     weights = weights.softmax(-1)
