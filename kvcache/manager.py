@@ -193,7 +193,9 @@ class KVCacheManager:
 
     # -- grow, shrink, release -------------------------------------------
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:
-        blocks = self._get(request_id)
+        return self._fits(self._get(request_id), num_new_tokens)
+
+    def _fits(self, blocks: RequestBlocks, num_new_tokens: int) -> bool:
         grow = blocks.ordinals_for(blocks.num_tokens + num_new_tokens) - blocks.num_ordinals
         return all(grow <= pool.num_free for pool in self.pools.values())
 
@@ -207,10 +209,9 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         blocks = self._get(request_id)
-        new_len = blocks.ordinals_for(blocks.num_tokens + num_new_tokens)
-        grow = new_len - blocks.num_ordinals
-        if grow > 0 and not all(grow <= pool.num_free for pool in self.pools.values()):
+        if not self._fits(blocks, num_new_tokens):
             return False
+        new_len = blocks.ordinals_for(blocks.num_tokens + num_new_tokens)
         for name, pool in self.pools.items():
             table = blocks.tables[name]
             table.extend(pool.take(new_len - len(table)))
