@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention_plan import AttentionBucket, GroupAttention
+from engine.native import paged_decode_kernel
 
 # Key columns of one block of the CPU flash-attention kernel (kvSplitSize in ATen).
 _INVARIANT_KEY_BLOCK = 512
@@ -44,7 +45,9 @@ def paged_attention(
     for row, new in ((k_row, key), (k_row + 1, value)):
         token_rows.index_copy_(0, meta.write_rows + row * block_size, new.reshape(num_tokens, -1).to(kv_cache.dtype))
     page_rows = kv_cache.view(-1, block_size * token_rows.shape[1])
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape)
+    if meta.in_place is not None:
+        _attend_in_place(query, kv_cache, layer_index, meta, scale, sinks, out)
     for b in meta.buckets:  # index_select / index_copy_, not [...]: advanced indexing measured ~6x slower on the CPU
         queries = _new_rows(query, b)
         if b.mask is None and b.prefix_len:  # a long chunk: causal over its own keys, plus the prefix
@@ -58,6 +61,13 @@ def paged_attention(
             result = attend(queries, keys, values, b.mask, scale, sinks)
         out.index_copy_(0, b.out_tokens, result.flatten(0, 1).index_select(0, b.out_rows))
     return out
+
+
+def _attend_in_place(query, kv_cache, layer_index, meta: GroupAttention, scale, sinks, out) -> None:
+    """The native kernel's rows of ``out``: each request's few queries against its keys, read in the pages."""
+    p = meta.in_place
+    paged_decode_kernel()(query, kv_cache, layer_index, p.first_rows, p.query_lens, p.seq_lens, p.tables,
+                          meta.window or 0, scale, None if sinks is None else sinks.float(), out)
 
 
 def _new_rows(rows: torch.Tensor, bucket: AttentionBucket) -> torch.Tensor:

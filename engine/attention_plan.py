@@ -15,7 +15,11 @@ copy and masked, so whatever they hold (even NaN) cannot reach the output.
 
 Everything index-shaped is computed once per forward and group
 (:func:`build_group_attention`) and reused by every layer of the group.
-Requests are attended in padded *buckets* (decode steps together, a long
+On the CPU in float32, a request with at most ``_MAX_IN_PLACE_QUERIES`` new
+queries (a decode or verify step) is attended *in place* when the native kernel
+is built (``engine.native``): it reads each key of its window from the page
+table directly, nothing gathered, no mask (:class:`InPlaceQueries`). The others
+are attended in padded *buckets* (decode steps together, a long
 prefill chunk on its own) so no layer loops over requests one by one; in a
 sliding-window group a long chunk is first cut into tiles of max(W, 32)
 queries, each read as a request of its own (:func:`_window_tiles`).
@@ -43,6 +47,7 @@ import numpy as np
 import torch
 
 from engine.forward import ForwardBatch
+from engine.native import paged_decode_kernel
 
 # A bucket costs about ``members x max key x (max query + _KEY_COST_ROWS)`` score units: each
 # key is gathered (two page copies, zeroed where dead) whatever the queries, and that costs
@@ -59,6 +64,9 @@ _MIN_TILE = 32
 # Fewest new tokens of a chunk after a prefix read in two kernel calls (causal + prefix): below
 # this the second call's dozen ops cost more than the masked scores they save.
 _MIN_SPLIT_QUERIES = 64
+# Most new queries of a request the native kernel attends in place: it scores query by query,
+# with no blocking, which pays for decode and verify steps, not for prefill chunks.
+_MAX_IN_PLACE_QUERIES = 8
 
 @dataclass(frozen=True)
 class AttentionBucket:
@@ -84,12 +92,29 @@ class AttentionBucket:
 
 
 @dataclass(frozen=True)
+class InPlaceQueries:
+    """Requests whose few new queries the native kernel attends straight from the pages.
+
+    Request r's queries are rows ``first_rows[r] ..`` of the step's tokens, at positions
+    ``S - Q .. S - 1`` (``Q = query_lens[r]``, ``S = seq_lens[r]``); position p's key is in page
+    ``tables[r, p // B]``, slot ``p % B``. Every ordinal a query's window reads is bound (checked).
+    A sliding-window tile is a request here too (its ``S`` is the tile's end).
+    """
+
+    first_rows: torch.Tensor  # [R]
+    query_lens: torch.Tensor  # [R]
+    seq_lens: torch.Tensor  # [R]
+    tables: torch.Tensor  # [R, width] page ids, -1 where unbound
+
+
+@dataclass(frozen=True)
 class GroupAttention:
     """Per forward and layer group: where the new tokens' K/V go, and what each query reads."""
 
     window: int | None
     write_rows: torch.Tensor  # [N] (page id * layers_in_group * 2) * B + slot: layer 0's K row in the slot view
     buckets: tuple[AttentionBucket, ...]
+    in_place: InPlaceQueries | None = None
 
 
 def plan_buckets(query_lens: list[int], key_lens: list[int]) -> list[list[int]]:
@@ -173,6 +198,14 @@ def _build_split_bucket(r, query_lens, query_starts, offsets, table, block_size,
                                      query_rows[0]), prefix_len=a)
 
 
+def _build_in_place(units, query_lens, seq_lens, first_blocks, offsets, table, block_size, group) -> InPlaceQueries:
+    rows = np.asarray(units)
+    pages, columns = table[rows], np.arange(table.shape[1])[None]
+    read = (columns >= first_blocks[rows, None]) & (columns <= (seq_lens[rows, None] - 1) // block_size)
+    _raise_unbound(pages, read, group, "attention")
+    return InPlaceQueries(*_tensors(offsets[rows], query_lens[rows], seq_lens[rows], pages))
+
+
 def _tensors(*arrays: np.ndarray | None) -> tuple[torch.Tensor | None, ...]:
     return tuple(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
 
@@ -211,15 +244,20 @@ def build_group_attention(
     num_blocks = (seq_lens - 1) // block_size + 1 - first_blocks
     per_request = (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)
     can_split = cache.dtype == torch.float32 and cache.device.type == "cpu"  # the kernel returns logsumexp
-    paged, causal, split = _kinds(query_lens, query_starts, seq_lens, window, can_split)
+    is_in_place = (query_lens <= _MAX_IN_PLACE_QUERIES) & (can_split and paged_decode_kernel() is not None)
+    paged, causal, split = (kind[~is_in_place[kind]] for kind in _kinds(query_lens, query_starts, seq_lens,
+                                                                          window, can_split))
     buckets = [_build_bucket(members, per_request, table, block_size, window, group, page_rows)
                for members in _plan(paged, query_lens, num_blocks * block_size)]
     buckets += [_build_causal_bucket(members, query_lens, offsets)
                 for members in _plan(causal, query_lens, query_lens)]
     buckets += [_build_split_bucket(r, query_lens, query_starts, offsets, table, block_size, group, page_rows)
                 for r in split]
+    in_place = np.flatnonzero(is_in_place)
+    in_place = _build_in_place(in_place, query_lens, seq_lens, first_blocks, offsets, table, block_size,
+                               group) if len(in_place) else None
     return GroupAttention(window, torch.from_numpy(write_rows).to(device),
-                          tuple(_to_device(b, device) for b in buckets))
+                          tuple(_to_device(b, device) for b in buckets), in_place)
 
 
 def _kinds(query_lens, query_starts, seq_lens, window, can_split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

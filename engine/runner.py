@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from engine.forward import ForwardBatch, positions_of
+from engine.native import paged_decode_kernel
 from engine.scheduler import ScheduledRequest
 from kvcache import KVCacheManager
 
@@ -31,6 +32,8 @@ class ModelRunner:
         self.manager = manager
         self.device = torch.device(device)
         self.num_forward_passes = 0
+        if self.device.type == "cpu":
+            paged_decode_kernel()  # built (or loaded from torch's cache) now, not inside the first step
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest]) -> RunOutput:

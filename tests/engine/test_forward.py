@@ -3,11 +3,15 @@ checked against their definitions position by position for random batches."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine import attention_plan
 from engine.attention_plan import build_group_attention
 from engine.forward import ForwardBatch, positions_of
 
@@ -43,13 +47,15 @@ def _batch(lens, block_size, window, pages_seed):
 @settings(max_examples=150, deadline=None)
 @given(lens=st.lists(st.tuples(st.integers(1, 80), st.integers(0, 60)), min_size=1, max_size=5),
        block_size=st.sampled_from([1, 4, 16]), window=st.sampled_from([None, 1, 3, 8, 20, 40]),
-       pages_seed=st.integers(0, 1000))
-def test_group_attention_reads_exactly_each_querys_window(lens, block_size, window, pages_seed):
+       pages_seed=st.integers(0, 1000), is_native=st.booleans())
+def test_group_attention_reads_exactly_each_querys_window(lens, block_size, window, pages_seed, is_native):
     """Whatever the bucketing and tiling: every new token is written to its own slot; every real query
     attends each key position of ``[p - W + 1, p]`` (``[0, p]`` without a window) exactly once, read
-    from the page its request's block table holds for it; a key column nobody attends is dead."""
+    from the page its request's block table holds for it; a key column nobody attends is dead. With
+    the native kernel, the requests (or tiles) of at most 8 queries are attended in place instead."""
     batch = _batch(lens, block_size, window, pages_seed)
-    meta = build_group_attention(batch, "g", window, "cpu")
+    with _native_kernel(is_native):
+        meta = build_group_attention(batch, "g", window, "cpu")
     page_rows, tables, positions = 2 * LAYERS, batch.block_tables["g"], batch.positions.tolist()
     request_of = [r for r, q in enumerate(batch.query_lens) for _ in range(q)]
     expected_writes = [tables[r][p // block_size] * page_rows * block_size + p % block_size
@@ -87,14 +93,46 @@ def test_group_attention_reads_exactly_each_querys_window(lens, block_size, wind
                 assert (i * key_len + c in dead) == (not bucket.mask[i, :, c].any())
         seen_tokens += bucket.out_tokens.tolist()
         assert bucket.query_rows.flatten()[bucket.out_rows].tolist() == bucket.out_tokens.tolist()
+    seen_tokens += _check_in_place(meta.in_place, tables, request_of, positions, block_size, window)
+    assert (meta.in_place is not None) <= is_native
     assert sorted(seen_tokens) == list(range(batch.num_tokens))  # every real query attended once
+
+
+def _check_in_place(in_place, tables, request_of, positions, block_size, window) -> list[int]:
+    """The tokens the kernel attends: each unit's queries are consecutive tokens of one request, the
+    last Q of positions ``[0, S)``, and its table maps every position a query reads to the page the
+    request's block table holds for it."""
+    if in_place is None:
+        return []
+    tokens = []
+    for first, num_q, seq, table in zip(in_place.first_rows.tolist(), in_place.query_lens.tolist(),
+                                        in_place.seq_lens.tolist(), in_place.tables.tolist()):
+        assert 1 <= num_q <= 8
+        r = request_of[first]
+        for i in range(num_q):
+            token = first + i
+            assert request_of[token] == r and positions[token] == seq - num_q + i
+            low = 0 if window is None else max(0, positions[token] - window + 1)
+            assert all(table[p // block_size] == tables[r][p // block_size] >= 0
+                       for p in range(low, positions[token] + 1))
+            tokens.append(token)
+    return tokens
+
+
+@contextlib.contextmanager
+def _native_kernel(is_on: bool):
+    """The plan as it is built with and without the native kernel (whether or not this machine built it)."""
+    with mock.patch.object(attention_plan, "paged_decode_kernel", lambda: (lambda *args: None) if is_on else None):
+        yield
 
 
 def test_a_long_chunk_of_a_sliding_window_layer_is_read_in_tiles():
     """100 new tokens of a fresh prompt, window 32: tiles of 32 queries. The first is causal over its
-    own new tokens (no page read); the others each read their own window's keys only."""
+    own new tokens (no page read); the others each read their own window's keys only (without the
+    native kernel, which would take the 4-query tile)."""
     batch = _batch([(100, 0)], block_size=16, window=32, pages_seed=0)
-    meta = build_group_attention(batch, "g", 32, "cpu")
+    with _native_kernel(False):
+        meta = build_group_attention(batch, "g", 32, "cpu")
     causal = [b for b in meta.buckets if b.mask is None]
     paged = [b for b in meta.buckets if b.mask is not None]
     assert [b.query_rows.tolist() for b in causal] == [[list(range(32))]]
@@ -111,8 +149,9 @@ def test_a_long_chunk_of_a_sliding_window_layer_is_read_in_tiles():
     assert len(split.block_rows) == 1  # the prefix's one page; the 100 new keys are the step's own
 
 
-def test_an_unbound_ordinal_inside_the_window_raises():
+@pytest.mark.parametrize("is_native", [False, True])
+def test_an_unbound_ordinal_inside_the_window_raises(is_native):
     batch = _batch([(1, 20)], block_size=4, window=8, pages_seed=0)
     batch.block_tables["g"][0][3] = -1  # positions 12..15: inside the window of position 20
-    with pytest.raises(ValueError, match="unbound"):
+    with _native_kernel(is_native), pytest.raises(ValueError, match="unbound"):
         build_group_attention(batch, "g", 8, "cpu")

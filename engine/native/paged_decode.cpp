@@ -1,0 +1,259 @@
+// Attention of a few new queries per request (decode and speculative verify steps), each key
+// read in place from the KV pages: nothing gathered, no mask, one call per layer.
+//
+//   cache      [pages, layers, 2, B, Hkv, D] float32; position p of request r: page
+//              tables[r][p / B], slot p % B (K at [.., 0, ..], V at [.., 1, ..])
+//   query      [N, Hq, D] (rows may be strided, heads contiguous); request r's Q = query_lens[r]
+//              queries are rows first_rows[r] .. + Q - 1, at positions S - Q .. S - 1 (S = seq_lens[r])
+//   reads      the query at position p attends keys max(0, p - W + 1) .. p (W = window; 0: none);
+//              query head h reads KV head h / G (G = Hq / Hkv)
+//   sinks      GPT-OSS: one more logit per query head in the softmax's denominator, with no value
+//
+// Per (request, KV head): the pointers to its keys, then per query and head: scores, softmax
+// numerators, the weighted sum of values. Float32 throughout; the exponential is a polynomial
+// (about 1 ulp), so results differ from torch's kernels in the last bits, not more.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (a score minus its row's maximum) in a form the compiler vectorises:
+// x = k ln 2 + r with |r| <= ln 2 / 2, exp(r) by Cephes' polynomial, 2^k through the exponent
+// bits. Below -87 (exp < 1.7e-38, nothing next to the maximum's 1) the argument is clamped,
+// keeping 2^k a normal float.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof(two_k));
+  return p * two_k;
+}
+
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes.
+inline __m512 exp_nonpositive_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// exp(w - max) in place over w[0, n), the sink (if any) taking part in the maximum; returns the
+// softmax's denominator, the sink's term included.
+inline float softmax_numerators(float* w, int64_t n, const float* sink) {
+  float top = sink ? *sink : -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, w[j]);
+  float total = sink ? exp_nonpositive(*sink - top) : 0.f;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 top16 = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(w + j), top16));
+    _mm512_storeu_ps(w + j, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total += _mm512_reduce_add_ps(sum);
+#endif
+  for (; j < n; ++j) {
+    w[j] = exp_nonpositive(w[j] - top);
+    total += w[j];
+  }
+  return total;
+}
+
+// Rows of one page are read in page-table order, which no hardware prefetcher guesses.
+constexpr int64_t kAhead = 8;
+
+inline void prefetch_row(const float* row, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i);
+}
+
+// Any head size: scores w[j] = scale * q . key_j, and out = sum_j w[j] value_j / total.
+void scores_any(const float* q, const float* const* keys, int64_t n, int64_t dim, float scale, float* w) {
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch_row(keys[std::min(j + kAhead, n - 1)], dim);
+    float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8) {
+      for (int l = 0; l < 8; ++l) lanes[l] += q[d + l] * keys[j][d + l];
+    }
+    float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (; d < dim; ++d) sum += q[d] * keys[j][d];
+    w[j] = sum * scale;
+  }
+}
+
+void values_any(const float* w, const float* const* keys, int64_t half, int64_t n, int64_t dim, float total,
+                float* out) {
+  std::fill(out, out + dim, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch_row(keys[std::min(j + kAhead, n - 1)] + half, dim);
+    const float* v = keys[j] + half;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) out[d] += w[j] * v[d];
+  }
+  const float inverse = 1.f / total;
+  for (int64_t d = 0; d < dim; ++d) out[d] *= inverse;
+}
+
+#if defined(__AVX512F__)
+// Head size 16 * C: the query (or the output) in C registers. A plain loop kept its sum in memory:
+// 16 dependent scalar adds per key, and a store-to-load chain per value row.
+template <int C>
+void scores_16(const float* q, const float* const* keys, int64_t n, float scale, float* w) {
+  __m512 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch_row(keys[std::min(j + kAhead, n - 1)], 16 * C);
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[j]));
+    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys[j] + 16 * c), acc);
+    w[j] = _mm512_reduce_add_ps(acc) * scale;
+  }
+}
+
+template <int C>
+void values_16(const float* w, const float* const* keys, int64_t half, int64_t n, float total, float* out) {
+  __m512 even[C], odd[C];  // two chains of additions, every other key each
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    prefetch_row(keys[std::min(j + kAhead, n - 1)] + half, 16 * C);
+    prefetch_row(keys[std::min(j + 1 + kAhead, n - 1)] + half, 16 * C);
+    const __m512 w0 = _mm512_set1_ps(w[j]), w1 = _mm512_set1_ps(w[j + 1]);
+    for (int c = 0; c < C; ++c) {
+      even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(keys[j] + half + 16 * c), even[c]);
+      odd[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(keys[j + 1] + half + 16 * c), odd[c]);
+    }
+  }
+  if (j < n) {
+    const __m512 w0 = _mm512_set1_ps(w[j]);
+    for (int c = 0; c < C; ++c) even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(keys[j] + half + 16 * c), even[c]);
+  }
+  const __m512 inverse = _mm512_set1_ps(1.f / total);
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inverse));
+}
+#endif
+
+void scores(const float* q, const float* const* keys, int64_t n, int64_t dim, float scale, float* w) {
+#if defined(__AVX512F__)
+  switch (dim) {
+    case 32: return scores_16<2>(q, keys, n, scale, w);
+    case 64: return scores_16<4>(q, keys, n, scale, w);
+    case 128: return scores_16<8>(q, keys, n, scale, w);
+  }
+#endif
+  scores_any(q, keys, n, dim, scale, w);
+}
+
+void values(const float* w, const float* const* keys, int64_t half, int64_t n, int64_t dim, float total, float* out) {
+#if defined(__AVX512F__)
+  switch (dim) {
+    case 32: return values_16<2>(w, keys, half, n, total, out);
+    case 64: return values_16<4>(w, keys, half, n, total, out);
+    case 128: return values_16<8>(w, keys, half, n, total, out);
+  }
+#endif
+  values_any(w, keys, half, n, dim, total, out);
+}
+
+}  // namespace
+
+void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t layer, const at::Tensor& first_rows,
+                  const at::Tensor& query_lens, const at::Tensor& seq_lens, const at::Tensor& tables,
+                  int64_t window, double scale, const c10::optional<at::Tensor>& sinks, at::Tensor& out) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && cache.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat, "paged_decode: float32 query, cache and out");
+  TORCH_CHECK(query.device().is_cpu() && cache.device().is_cpu(), "paged_decode: CPU tensors");
+  TORCH_CHECK(query.dim() == 3 && cache.dim() == 6 && out.sizes() == query.sizes(), "paged_decode: shapes");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && cache.is_contiguous() &&
+                  out.is_contiguous(), "paged_decode: contiguous heads of query, contiguous cache and out");
+  for (const at::Tensor* t : {&first_rows, &query_lens, &seq_lens, &tables}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_decode: int64 contiguous indices");
+  }
+  const int64_t num_req = first_rows.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_layers = cache.size(1), block = cache.size(3), num_kv = cache.size(4);
+  TORCH_CHECK(cache.size(5) == head_dim && num_heads % num_kv == 0, "paged_decode: head shapes");
+  TORCH_CHECK(0 <= layer && layer < num_layers && tables.dim() == 2 && tables.size(0) == num_req &&
+                  query_lens.size(0) == num_req && seq_lens.size(0) == num_req, "paged_decode: index shapes");
+  const float* sink = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == num_heads,
+                "paged_decode: float32 sinks, one per query head");
+    sink = sinks->data_ptr<float>();
+  }
+  const int64_t group = num_heads / num_kv, width = tables.size(1);
+  const int64_t token_stride = num_kv * head_dim, half = block * token_stride;  // half: a page's K -> its V
+  const int64_t page_stride = num_layers * 2 * half, layer_offset = layer * 2 * half;
+  const int64_t query_stride = query.stride(0);
+  const float* q = query.data_ptr<float>();
+  const float* kv = cache.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t* rows = first_rows.data_ptr<int64_t>();
+  const int64_t* qlens = query_lens.data_ptr<int64_t>();
+  const int64_t* slens = seq_lens.data_ptr<int64_t>();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_req * num_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights;
+    std::vector<const float*> keys;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / num_kv, h = item % num_kv, seq = slens[r], num_q = qlens[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, seq - num_q - window + 1) : 0;
+      keys.resize(seq - first);  // KV head h's key of every position read, in this layer
+      for (int64_t p = first; p < seq; ++p) {
+        keys[p - first] = kv + table[r * width + p / block] * page_stride + layer_offset +
+                          (p % block) * token_stride + h * head_dim;
+      }
+      weights.resize(seq - first);
+      for (int64_t i = 0; i < num_q; ++i) {
+        const int64_t pos = seq - num_q + i;
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) - first : 0, n = pos - first + 1 - lo;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = h * group + g;
+          scores(q + (rows[r] + i) * query_stride + head * head_dim, keys.data() + lo, n, head_dim, fscale,
+                 weights.data());
+          const float total = softmax_numerators(weights.data(), n, sink ? sink + head : nullptr);
+          values(weights.data(), keys.data() + lo, half, n, head_dim, total,
+                 o + ((rows[r] + i) * num_heads + head) * head_dim);
+        }
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "attention of a few new queries per request, read from the KV pages");
+}

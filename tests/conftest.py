@@ -1,0 +1,10 @@
+"""Session-wide setup."""
+
+from engine.native import paged_decode_kernel
+
+
+def pytest_sessionstart(session) -> None:
+    """Build the native kernel (~30 s the first time on this machine) before any test starts a worker:
+    Ray actors and Serve replicas then load it from torch's extension cache instead of each compiling
+    it inside a test's timeout."""
+    paged_decode_kernel()
