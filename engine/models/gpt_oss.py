@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.models.decoder import AttentionOptions, DecoderForCausalLM
 from engine.models.packed import can_pack, gemv_layout, linear, pack
+from engine.native import clamped_swiglu_kernel
 
 # Rows of one expert chunk: gate_up [256, 2I] of a mid-sized model stays in cache between the
 # matmul and the activation (an expert layer of 256 tokens, [512, 1024] experts: 27-29 ms against
@@ -71,8 +72,11 @@ class Experts(nn.Module):
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The same operations, in the same order, as transformers: ``glu = gate * sigmoid(gate * alpha)``,
-        then ``(up + 1) * glu``. The clamps copy the stride-2 halves into contiguous tensors (elementwise
-        ops on stride-2 views do not vectorise: in place on them measured 2x slower); the rest is in place."""
+        then ``(up + 1) * glu``. In float32 on the CPU one pass of the native kernel (``engine.native``);
+        otherwise the clamps copy the stride-2 halves into contiguous tensors (elementwise ops on stride-2
+        views do not vectorise: in place on them measured 2x slower) and the rest runs in place."""
+        if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu" and clamped_swiglu_kernel():
+            return clamped_swiglu_kernel()(gate_up, self.alpha, self.limit)
         gate = gate_up[:, 0::2].clamp(max=self.limit)
         up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
         glu = torch.mul(gate, self.alpha).sigmoid_().mul_(gate)

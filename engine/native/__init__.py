@@ -1,13 +1,19 @@
-"""Native CPU kernels, built on first use by torch's extension builder (a C++ compiler and
-ninja; ~40 s once, then loaded from torch's extension cache).
+"""Native CPU kernels (this folder's C++), built on first use by torch's extension builder (the
+system's C++ compiler and ninja; ~30-60 s once per machine and source, then loaded from torch's
+extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
 
-Where the build fails (no compiler) or ``WINDSERVE_NATIVE=0``, :func:`paged_decode_kernel`
-returns None and attention keeps its torch path (``engine.attention_plan``).
+- ``paged_decode``: attention of a few new queries per request read in place from the KV pages
+  (``engine.attention_plan``'s in-place requests);
+- ``clamped_swiglu``: GPT-OSS's expert activation in one pass (``engine.models.gpt_oss``).
+
+Where the build fails (no compiler) or ``WINDSERVE_NATIVE=0``, the accessors return None and the
+callers keep their torch path.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -18,30 +24,44 @@ logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _machine_tag() -> str:
-    """The build uses ``-march=native``: a cache shared by two kinds of CPU must not mix their builds."""
-    flags = ""
+def _build_tag() -> str:
+    """The sources (headers included: torch's builder versions the listed sources only) and the CPU:
+    the build uses ``-march=native``, so a cache shared by two kinds of CPU must not mix their builds."""
+    digest = hashlib.sha1(platform.machine().encode())
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+            digest.update(next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "").encode())
     except OSError:
         pass
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    for path in sorted(glob.glob(os.path.join(_HERE, "*.cpp")) + glob.glob(os.path.join(_HERE, "*.h"))):
+        with open(path, "rb") as source:
+            digest.update(source.read())
+    return digest.hexdigest()[:12]
 
 
 @functools.cache
-def paged_decode_kernel():
-    """``paged_decode(query, cache, layer, first_rows, query_lens, seq_lens, tables, window, scale, sinks, out)``
-    (engine/native/paged_decode.cpp), or None."""
+def _module():
     if os.environ.get("WINDSERVE_NATIVE", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=f"windserve_paged_decode_{_machine_tag()}",
-                      sources=[os.path.join(_HERE, "paged_decode.cpp")],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
-    except Exception as error:  # noqa: BLE001 - any build failure means: use the torch path
-        logger.warning("native paged decode kernel unavailable, attention keeps its torch path: %s", error)
+        return load(name=f"windserve_native_{_build_tag()}",
+                    sources=sorted(glob.glob(os.path.join(_HERE, "*.cpp"))),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+    except Exception as error:  # noqa: BLE001 - any build failure means: keep the torch paths
+        logger.warning("native CPU kernels unavailable, the torch paths run instead: %s", error)
         return None
-    return module.paged_decode
+
+
+def paged_decode_kernel():
+    """``paged_decode(query, cache, layer, first_rows, query_lens, seq_lens, tables, window, scale, sinks, out)``
+    (paged_decode.cpp), or None."""
+    module = _module()
+    return None if module is None else module.paged_decode
+
+
+def clamped_swiglu_kernel():
+    """``clamped_swiglu(gate_up, alpha, limit) -> out`` (swiglu.cpp), or None."""
+    module = _module()
+    return None if module is None else module.clamped_swiglu

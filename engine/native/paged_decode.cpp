@@ -11,83 +11,38 @@
 //
 // Per (request, KV head): the pointers to its keys, then per query and head: scores, softmax
 // numerators, the weighted sum of values. Float32 throughout; the exponential is a polynomial
-// (about 1 ulp), so results differ from torch's kernels in the last bits, not more.
-#include <torch/extension.h>
-
+// (vec_exp.h, about 1 ulp), so results differ from torch's kernels in the last bits, not more.
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "kernels.h"
+#include "vec_exp.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
-
-// exp(x) for x <= 0 (a score minus its row's maximum) in a form the compiler vectorises:
-// x = k ln 2 + r with |r| <= ln 2 / 2, exp(r) by Cephes' polynomial, 2^k through the exponent
-// bits. Below -87 (exp < 1.7e-38, nothing next to the maximum's 1) the argument is clamped,
-// keeping 2^k a normal float.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof(two_k));
-  return p * two_k;
-}
-
-#if defined(__AVX512F__)
-// exp_nonpositive on 16 lanes.
-inline __m512 exp_nonpositive_16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-#endif
 
 // exp(w - max) in place over w[0, n), the sink (if any) taking part in the maximum; returns the
 // softmax's denominator, the sink's term included.
 inline float softmax_numerators(float* w, int64_t n, const float* sink) {
   float top = sink ? *sink : -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) top = std::max(top, w[j]);
-  float total = sink ? exp_nonpositive(*sink - top) : 0.f;
+  float total = sink ? windserve::exp_clamped(*sink - top) : 0.f;
   int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 top16 = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (; j + 16 <= n; j += 16) {
-    const __m512 e = exp_nonpositive_16(_mm512_sub_ps(_mm512_loadu_ps(w + j), top16));
+    const __m512 e = windserve::exp_clamped_16(_mm512_sub_ps(_mm512_loadu_ps(w + j), top16));
     _mm512_storeu_ps(w + j, e);
     sum = _mm512_add_ps(sum, e);
   }
   total += _mm512_reduce_add_ps(sum);
 #endif
   for (; j < n; ++j) {
-    w[j] = exp_nonpositive(w[j] - top);
+    w[j] = windserve::exp_clamped(w[j] - top);
     total += w[j];
   }
   return total;
@@ -252,8 +207,4 @@ void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t laye
       }
     }
   });
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "attention of a few new queries per request, read from the KV pages");
 }
