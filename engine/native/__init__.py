@@ -4,7 +4,8 @@ extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
 
 - ``paged_decode``: attention of a few new queries per request read in place from the KV pages
   (``engine.attention_plan``'s in-place requests);
-- ``clamped_swiglu``: GPT-OSS's expert activation in one pass (``engine.models.gpt_oss``).
+- ``clamped_swiglu``: GPT-OSS's expert activation in one pass, and ``add_weighted_rows``: its
+  combine step (``engine.models.gpt_oss``).
 
 Where the build fails (no compiler) or ``WINDSERVE_NATIVE=0``, the accessors return None and the
 callers keep their torch path.
@@ -48,7 +49,7 @@ def _module():
 
         return load(name=f"windserve_native_{_build_tag()}",
                     sources=sorted(glob.glob(os.path.join(_HERE, "*.cpp"))),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], verbose=False)
+                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"], verbose=False)
     except Exception as error:  # noqa: BLE001 - any build failure means: keep the torch paths
         logger.warning("native CPU kernels unavailable, the torch paths run instead: %s", error)
         return None
@@ -65,3 +66,9 @@ def clamped_swiglu_kernel():
     """``clamped_swiglu(gate_up, alpha, limit) -> out`` (swiglu.cpp), or None."""
     module = _module()
     return None if module is None else module.clamped_swiglu
+
+
+def add_weighted_rows_kernel():
+    """``add_weighted_rows(out, tokens, rows, weights)`` (combine.cpp), or None."""
+    module = _module()
+    return None if module is None else module.add_weighted_rows

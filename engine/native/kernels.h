@@ -8,3 +8,5 @@ void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t laye
                   int64_t window, double scale, const c10::optional<at::Tensor>& sinks, at::Tensor& out);
 
 at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit);
+
+void add_weighted_rows(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& rows, const at::Tensor& weights);

@@ -20,11 +20,12 @@ constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e
 
 inline float exp_clamped(float x) {
   x = x < kExpLow ? kExpLow : (x > kExpHigh ? kExpHigh : x);
-  const float k = std::floor(x * kLog2e + 0.5f);
-  const float r = x - k * kLn2High - k * kLn2Low;
+  // std::fma where the vector path has a fused multiply-add: the same bits on every lane
+  const float k = std::floor(std::fma(x, kLog2e, 0.5f));
+  const float r = std::fma(-k, kLn2Low, std::fma(-k, kLn2High, x));
   float p = kExpPoly[0];
-  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
-  p = p * r * r + r + 1.0f;
+  for (int i = 1; i < 6; ++i) p = std::fma(p, r, kExpPoly[i]);
+  p = std::fma(p * r, r, r) + 1.0f;
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float two_k;
   std::memcpy(&two_k, &bits, sizeof(two_k));
