@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.native import rotate_half_kernel
+
 # RoPE types whose inverse frequencies do not depend on the sequence length.
 _STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
 
@@ -81,7 +83,16 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, head_dim]; cos/sin [N, head_dim // 2] (first half / second half pairing)."""
+    """x [N, heads, head_dim]; cos/sin [N, head_dim // 2] (first half / second half pairing). In float32 on
+    the CPU one pass of the native kernel (``engine.native``, bit-identical to the formula below)."""
+    if _is_native(x, cos, sin):
+        return rotate_half_kernel()(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]
     first, second = x.chunk(2, dim=-1)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+def _is_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    return (x.dtype == cos.dtype == sin.dtype == torch.float32 and x.device.type == "cpu"
+            and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()
+            and rotate_half_kernel() is not None)

@@ -10,3 +10,5 @@ void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t laye
 at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit);
 
 void add_weighted_rows(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& rows, const at::Tensor& weights);
+
+at::Tensor rotate_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
