@@ -48,7 +48,9 @@ inline float softmax_numerators(float* w, int64_t n, const float* sink) {
   return total;
 }
 
-// Rows of one page are read in page-table order, which no hardware prefetcher guesses.
+// The pages of a request lie anywhere in the pool, so no hardware prefetcher guesses the next row:
+// every key row is prefetched while the pointers are built, each value row a few keys ahead of
+// its score (it is read by the weighted sum right after).
 constexpr int64_t kAhead = 8;
 
 inline void prefetch_row(const float* row, int64_t n) {
@@ -56,9 +58,10 @@ inline void prefetch_row(const float* row, int64_t n) {
 }
 
 // Any head size: scores w[j] = scale * q . key_j, and out = sum_j w[j] value_j / total.
-void scores_any(const float* q, const float* const* keys, int64_t n, int64_t dim, float scale, float* w) {
+void scores_any(const float* q, const float* const* keys, int64_t half, int64_t n, int64_t dim, float scale,
+                float* w) {
   for (int64_t j = 0; j < n; ++j) {
-    prefetch_row(keys[std::min(j + kAhead, n - 1)], dim);
+    prefetch_row(keys[std::min(j + kAhead, n - 1)] + half, dim);  // for values_any, next
     float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     int64_t d = 0;
     for (; d + 8 <= dim; d += 8) {
@@ -74,7 +77,6 @@ void values_any(const float* w, const float* const* keys, int64_t half, int64_t 
                 float* out) {
   std::fill(out, out + dim, 0.f);
   for (int64_t j = 0; j < n; ++j) {
-    prefetch_row(keys[std::min(j + kAhead, n - 1)] + half, dim);
     const float* v = keys[j] + half;
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d) out[d] += w[j] * v[d];
@@ -87,11 +89,11 @@ void values_any(const float* w, const float* const* keys, int64_t half, int64_t 
 // Head size 16 * C: the query (or the output) in C registers. A plain loop kept its sum in memory:
 // 16 dependent scalar adds per key, and a store-to-load chain per value row.
 template <int C>
-void scores_16(const float* q, const float* const* keys, int64_t n, float scale, float* w) {
+void scores_16(const float* q, const float* const* keys, int64_t half, int64_t n, float scale, float* w) {
   __m512 qv[C];
   for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
-    prefetch_row(keys[std::min(j + kAhead, n - 1)], 16 * C);
+    prefetch_row(keys[std::min(j + kAhead, n - 1)] + half, 16 * C);  // for values_16, next
     __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(keys[j]));
     for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys[j] + 16 * c), acc);
     w[j] = _mm512_reduce_add_ps(acc) * scale;
@@ -104,8 +106,6 @@ void values_16(const float* w, const float* const* keys, int64_t half, int64_t n
   for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm512_setzero_ps();
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
-    prefetch_row(keys[std::min(j + kAhead, n - 1)] + half, 16 * C);
-    prefetch_row(keys[std::min(j + 1 + kAhead, n - 1)] + half, 16 * C);
     const __m512 w0 = _mm512_set1_ps(w[j]), w1 = _mm512_set1_ps(w[j + 1]);
     for (int c = 0; c < C; ++c) {
       even[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(keys[j] + half + 16 * c), even[c]);
@@ -121,15 +121,15 @@ void values_16(const float* w, const float* const* keys, int64_t half, int64_t n
 }
 #endif
 
-void scores(const float* q, const float* const* keys, int64_t n, int64_t dim, float scale, float* w) {
+void scores(const float* q, const float* const* keys, int64_t half, int64_t n, int64_t dim, float scale, float* w) {
 #if defined(__AVX512F__)
   switch (dim) {
-    case 32: return scores_16<2>(q, keys, n, scale, w);
-    case 64: return scores_16<4>(q, keys, n, scale, w);
-    case 128: return scores_16<8>(q, keys, n, scale, w);
+    case 32: return scores_16<2>(q, keys, half, n, scale, w);
+    case 64: return scores_16<4>(q, keys, half, n, scale, w);
+    case 128: return scores_16<8>(q, keys, half, n, scale, w);
   }
 #endif
-  scores_any(q, keys, n, dim, scale, w);
+  scores_any(q, keys, half, n, dim, scale, w);
 }
 
 void values(const float* w, const float* const* keys, int64_t half, int64_t n, int64_t dim, float total, float* out) {
@@ -191,6 +191,7 @@ void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t laye
       for (int64_t p = first; p < seq; ++p) {
         keys[p - first] = kv + table[r * width + p / block] * page_stride + layer_offset +
                           (p % block) * token_stride + h * head_dim;
+        prefetch_row(keys[p - first], head_dim);  // all of them in flight at once: the pages are far apart
       }
       weights.resize(seq - first);
       for (int64_t i = 0; i < num_q; ++i) {
@@ -198,7 +199,7 @@ void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t laye
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) - first : 0, n = pos - first + 1 - lo;
         for (int64_t g = 0; g < group; ++g) {
           const int64_t head = h * group + g;
-          scores(q + (rows[r] + i) * query_stride + head * head_dim, keys.data() + lo, n, head_dim, fscale,
+          scores(q + (rows[r] + i) * query_stride + head * head_dim, keys.data() + lo, half, n, head_dim, fscale,
                  weights.data());
           const float total = softmax_numerators(weights.data(), n, sink ? sink + head : nullptr);
           values(weights.data(), keys.data() + lo, half, n, head_dim, total,
