@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.models.decoder import AttentionOptions, DecoderForCausalLM
 from engine.models.packed import can_pack, gemv_layout, linear, pack
-from engine.native import add_weighted_rows_kernel, clamped_swiglu_kernel
+from engine.native import add_weighted_rows_kernel, clamped_swiglu_kernel, moe_route_kernel
 
 # Rows of one expert chunk: gate_up [256, 2I] of a mid-sized model stays in cache between the
 # matmul and the activation (an expert layer of 256 tokens, [512, 1024] experts: 27-29 ms against
@@ -100,23 +100,32 @@ class Experts(nn.Module):
         flat_experts = experts.flatten()
         order = flat_experts.argsort(stable=True)
         counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.shape[0]).tolist()
-        # index_select, not x[...]: measured 6x faster for 256 rows of 512 (advanced indexing is generic)
         tokens, row_weights = order // experts.shape[1], weights.flatten()[order]
-        routed = x.index_select(0, tokens)
-        combine = add_weighted_rows_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" else None
-        out = x.new_zeros(x.shape) if combine else torch.empty_like(routed)  # [N, H], or per (token, choice)
+        if x.dtype == torch.float32 and x.device.type == "cpu" and add_weighted_rows_kernel():
+            return self.forward_sorted(x, tokens, row_weights, counts)
+        routed = x.index_select(0, tokens)  # index_select, not x[...]: 6x faster for 256 rows of 512 (generic)
+        per_choice = torch.empty_like(routed)  # [N k, H] in (token, choice) order
+        for first, last, down in self._chunk_outputs(routed, counts):
+            per_choice.index_copy_(0, order[first:last], down.mul_(row_weights[first:last, None]))
+        # A plain sum over the k choices: deterministic, unlike index_add_ on GPU.
+        return per_choice.view(x.shape[0], -1, x.shape[1]).sum(dim=1).to(x.dtype)
+
+    def forward_sorted(self, x: torch.Tensor, tokens: torch.Tensor, row_weights: torch.Tensor,
+                       counts: list[int]) -> torch.Tensor:
+        """Float32 on the CPU, the (token, choice) pairs already sorted by expert (``tokens``, ``row_weights``,
+        ``counts`` per expert): each weighted row is added to its token by the native kernel (one pass,
+        experts in ascending order: transformers' own ``index_add_`` order)."""
+        out = x.new_zeros(x.shape)
+        for first, last, down in self._chunk_outputs(x.index_select(0, tokens), counts):
+            add_weighted_rows_kernel()(out, tokens[first:last], down, row_weights[first:last])
+        return out
+
+    def _chunk_outputs(self, routed: torch.Tensor, counts: list[int]):
+        """``(first, last, down)`` per chunk of experts: their rows ``routed[first:last]`` through the MLP."""
         for pieces in _chunks(counts):
             first, last = pieces[0][1], pieces[-1][2]
             hidden = self._activation(self._matmuls(routed, "gate_up_proj", pieces, 0))
-            down = self._matmuls(hidden, "down_proj", pieces, first)
-            if combine:  # out[token] += weight * row, experts ascending (transformers' index_add_ order)
-                combine(out, tokens[first:last], down, row_weights[first:last])
-            else:
-                out.index_copy_(0, order[first:last], down.mul_(row_weights[first:last, None]))
-        if combine:
-            return out
-        # A plain sum over the k choices: deterministic, unlike index_add_ on GPU.
-        return out.view(x.shape[0], -1, x.shape[1]).sum(dim=1).to(x.dtype)
+            yield first, last, self._matmuls(hidden, "down_proj", pieces, first)
 
 
 def _chunks(counts: list[int]) -> list[list[tuple[int, int, int]]]:
@@ -151,8 +160,14 @@ class MoeMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        experts, weights = self.router(x)
-        return self.experts(x, experts, weights)
+        """In float32 on the CPU the routing is one native call (top-k, softmax, pairs sorted by expert)."""
+        route = moe_route_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+        if route is None or add_weighted_rows_kernel() is None:
+            experts, weights = self.router(x)
+            return self.experts(x, experts, weights)
+        logits = F.linear(x, self.router.weight, self.router.bias)
+        tokens, row_weights, counts = route(logits, self.router.top_k)
+        return self.experts.forward_sorted(x, tokens, row_weights, counts.tolist())
 
 
 class GptOssForCausalLM(DecoderForCausalLM):

@@ -4,8 +4,9 @@ extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
 
 - ``paged_decode``: attention of a few new queries per request read in place from the KV pages
   (``engine.attention_plan``'s in-place requests);
-- ``clamped_swiglu``: GPT-OSS's expert activation in one pass, and ``add_weighted_rows``: its
-  combine step (``engine.models.gpt_oss``);
+- ``moe_route``: GPT-OSS's routing (top-k, softmax, pairs sorted by expert), ``clamped_swiglu``:
+  its expert activation in one pass, and ``add_weighted_rows``: its combine step
+  (``engine.models.gpt_oss``);
 - ``rotate_half``: the rotary embedding of q and k in one pass (``engine.models.layers``).
 
 Where the build fails (no compiler) or ``WINDSERVE_NATIVE=0``, the accessors return None and the
@@ -79,3 +80,9 @@ def rotate_half_kernel():
     """``rotate_half(x, cos, sin) -> out`` (rope.cpp), or None."""
     module = _module()
     return None if module is None else module.rotate_half
+
+
+def moe_route_kernel():
+    """``moe_route(logits, k) -> [tokens, weights, counts]`` (route.cpp), or None."""
+    module = _module()
+    return None if module is None else module.moe_route

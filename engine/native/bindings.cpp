@@ -5,4 +5,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("clamped_swiglu", &clamped_swiglu, "GPT-OSS's clamped SwiGLU over interleaved gate/up rows, one pass");
   m.def("add_weighted_rows", &add_weighted_rows, "out[tokens[i]] += weights[i] * rows[i], in order of i");
   m.def("rotate_half", &rotate_half, "rotary embedding (rotate-half) of [N, H, D] rows, one pass");
+  m.def("moe_route", &moe_route, "top-k experts, their softmax, the pairs sorted by expert");
 }
