@@ -16,8 +16,9 @@ copy and masked, so whatever they hold (even NaN) cannot reach the output.
 Everything index-shaped is computed once per forward and group
 (:func:`build_group_attention`) and reused by every layer of the group.
 On the CPU in float32, a request with at most ``_MAX_IN_PLACE_QUERIES`` new
-queries (a decode or verify step), and every query of a layer whose window is
-at most ``_MAX_IN_PLACE_WINDOW``, is attended *in place* when the native kernel
+queries (a decode or verify step) or at most ``_MAX_IN_PLACE_SCORES`` queries x
+keys (a short prompt), and every query of a layer whose window is at most
+``_MAX_IN_PLACE_WINDOW``, is attended *in place* when the native kernel
 is built (``engine.native``): it reads each key of its window from the page
 table directly, nothing gathered, no mask (:class:`InPlaceQueries`). The others
 are attended in padded *buckets* (decode steps together, a long
@@ -68,6 +69,11 @@ _MIN_SPLIT_QUERIES = 64
 # Most new queries of a request the native kernel attends in place: it scores query by query,
 # with no blocking, which pays for decode and verify steps, not for prefill chunks.
 _MAX_IN_PLACE_QUERIES = 8
+# A request (or tile) whose queries x keys are at most this is attended in place too: for short
+# prompts the kernel's query-by-query scores beat the flash kernel's call and copies. Whole runs
+# (prompts of 16-256 tokens, c = 32), in place vs flash: windserve-tiny 1.06x, gptoss-mid 1.035x,
+# SmolLM2-135M 1.03-1.06x, tokens equal.
+_MAX_IN_PLACE_SCORES = 256 * 256
 # In a sliding-window layer with a window up to this, every query is attended in place (each reads
 # W keys at most). Whole runs, kernel vs tiles, alternated: window 32 (windserve-tiny) 1.07x faster,
 # window 128 (gptoss-mid) 0.97x.
@@ -250,8 +256,8 @@ def build_group_attention(
     per_request = (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)
     can_split = cache.dtype == torch.float32 and cache.device.type == "cpu"  # the kernel returns logsumexp
     is_narrow = window is not None and window <= _MAX_IN_PLACE_WINDOW
-    limit = np.iinfo(np.int64).max if is_narrow else _MAX_IN_PLACE_QUERIES
-    is_in_place = (query_lens <= limit) & (can_split and paged_decode_kernel() is not None)
+    is_small = (query_lens <= _MAX_IN_PLACE_QUERIES) | (query_lens * seq_lens <= _MAX_IN_PLACE_SCORES) | is_narrow
+    is_in_place = is_small & (can_split and paged_decode_kernel() is not None)
     paged, causal, split = (kind[~is_in_place[kind]] for kind in _kinds(query_lens, query_starts, seq_lens,
                                                                           window, can_split))
     buckets = [_build_bucket(members, per_request, table, block_size, window, group, page_rows)

@@ -52,8 +52,8 @@ def test_group_attention_reads_exactly_each_querys_window(lens, block_size, wind
     """Whatever the bucketing and tiling: every new token is written to its own slot; every real query
     attends each key position of ``[p - W + 1, p]`` (``[0, p]`` without a window) exactly once, read
     from the page its request's block table holds for it; a key column nobody attends is dead. With
-    the native kernel, the requests (or tiles) of at most 8 queries, and all of them in a window of at most
-    64, are attended in place instead."""
+    the native kernel, the requests (or tiles) of at most 8 queries or 256 x 256 queries x keys, and all of
+    them in a window of at most 64, are attended in place instead."""
     batch = _batch(lens, block_size, window, pages_seed)
     with _native_kernel(is_native):
         meta = build_group_attention(batch, "g", window, "cpu")
@@ -108,7 +108,7 @@ def _check_in_place(in_place, tables, request_of, positions, block_size, window)
     tokens = []
     for first, num_q, seq, table in zip(in_place.first_rows.tolist(), in_place.query_lens.tolist(),
                                         in_place.seq_lens.tolist(), in_place.tables.tolist()):
-        assert 1 <= num_q <= (8 if window is None or window > 64 else max(window, 32))  # a request, or a tile
+        assert 1 <= num_q and (num_q <= 8 or num_q * seq <= 256 * 256 or window is not None and window <= 64)
         r = request_of[first]
         for i in range(num_q):
             token = first + i
@@ -129,11 +129,15 @@ def _native_kernel(is_on: bool):
 
 def test_a_long_chunk_of_a_sliding_window_layer_is_read_in_tiles():
     """100 new tokens of a fresh prompt, window 32: tiles of 32 queries. The first is causal over its
-    own new tokens (no page read); the others each read their own window's keys only (without the
-    native kernel, which would take the 4-query tile)."""
-    batch = _batch([(100, 0)], block_size=16, window=32, pages_seed=0)
+    own new tokens (no page read); the others each read their own window's keys only. The torch path:
+    with the native kernel, requests this short are attended in place."""
     with _native_kernel(False):
-        meta = build_group_attention(batch, "g", 32, "cpu")
+        _check_tiles_and_kinds()
+
+
+def _check_tiles_and_kinds():
+    batch = _batch([(100, 0)], block_size=16, window=32, pages_seed=0)
+    meta = build_group_attention(batch, "g", 32, "cpu")
     causal = [b for b in meta.buckets if b.mask is None]
     paged = [b for b in meta.buckets if b.mask is not None]
     assert [b.query_rows.tolist() for b in causal] == [[list(range(32))]]
