@@ -255,9 +255,7 @@ def build_group_attention(
     num_blocks = (seq_lens - 1) // block_size + 1 - first_blocks
     per_request = (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)
     can_split = cache.dtype == torch.float32 and cache.device.type == "cpu"  # the kernel returns logsumexp
-    is_narrow = window is not None and window <= _MAX_IN_PLACE_WINDOW
-    is_small = (query_lens <= _MAX_IN_PLACE_QUERIES) | (query_lens * seq_lens <= _MAX_IN_PLACE_SCORES) | is_narrow
-    is_in_place = is_small & (can_split and paged_decode_kernel() is not None)
+    is_in_place = _in_place(query_lens, seq_lens, window) & (can_split and paged_decode_kernel() is not None)
     paged, causal, split = (kind[~is_in_place[kind]] for kind in _kinds(query_lens, query_starts, seq_lens,
                                                                           window, can_split))
     buckets = [_build_bucket(members, per_request, table, block_size, window, group, page_rows)
@@ -266,11 +264,18 @@ def build_group_attention(
                 for members in _plan(causal, query_lens, query_lens)]
     buckets += [_build_split_bucket(r, query_lens, query_starts, offsets, table, block_size, group, page_rows)
                 for r in split]
-    in_place = np.flatnonzero(is_in_place)
-    in_place = _build_in_place(in_place, query_lens, seq_lens, first_blocks, offsets, table, block_size,
-                               group) if len(in_place) else None
+    units = np.flatnonzero(is_in_place)
+    in_place = _build_in_place(units, query_lens, seq_lens, first_blocks, offsets, table, block_size,
+                               group) if len(units) else None
     return GroupAttention(window, torch.from_numpy(write_rows).to(device),
                           tuple(_to_device(b, device) for b in buckets), in_place)
+
+
+def _in_place(query_lens: np.ndarray, seq_lens: np.ndarray, window: int | None) -> np.ndarray:
+    """Which requests (or tiles) the native kernel attends in place, where it runs: a few queries,
+    few queries x keys, or any number in a narrow window."""
+    is_narrow = window is not None and window <= _MAX_IN_PLACE_WINDOW
+    return (query_lens <= _MAX_IN_PLACE_QUERIES) | (query_lens * seq_lens <= _MAX_IN_PLACE_SCORES) | is_narrow
 
 
 def _kinds(query_lens, query_starts, seq_lens, window, can_split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
