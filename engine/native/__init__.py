@@ -57,32 +57,32 @@ def _module():
         return None
 
 
+def _kernel(name: str):
+    module = _module()
+    return None if module is None else getattr(module, name)
+
+
 def paged_decode_kernel():
     """``paged_decode(query, cache, layer, first_rows, query_lens, seq_lens, tables, window, scale, sinks, out)``
     (paged_decode.cpp), or None."""
-    module = _module()
-    return None if module is None else module.paged_decode
+    return _kernel("paged_decode")
 
 
 def clamped_swiglu_kernel():
     """``clamped_swiglu(gate_up, alpha, limit) -> out`` (swiglu.cpp), or None."""
-    module = _module()
-    return None if module is None else module.clamped_swiglu
+    return _kernel("clamped_swiglu")
 
 
 def add_weighted_rows_kernel():
     """``add_weighted_rows(out, tokens, rows, weights)`` (combine.cpp), or None."""
-    module = _module()
-    return None if module is None else module.add_weighted_rows
+    return _kernel("add_weighted_rows")
 
 
 def rotate_half_kernel():
     """``rotate_half(x, cos, sin) -> out`` (rope.cpp), or None."""
-    module = _module()
-    return None if module is None else module.rotate_half
+    return _kernel("rotate_half")
 
 
 def moe_route_kernel():
     """``moe_route(logits, k) -> [tokens, weights, counts]`` (route.cpp), or None."""
-    module = _module()
-    return None if module is None else module.moe_route
+    return _kernel("moe_route")

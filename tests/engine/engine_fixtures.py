@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -39,3 +41,13 @@ def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: Sampl
     assert finished == set(out), f"unfinished requests: {set(out) - finished}"
     assert engine.manager.num_free_pages() == engine.manager.num_total_pages()
     return out
+
+
+def built_kernel(accessor):
+    """A native kernel (``engine.native``'s accessor called), or the test skipped; in CI a failed build fails."""
+    built = accessor()
+    if built is None:
+        if os.environ.get("CI"):
+            pytest.fail("the native kernels did not build in CI (a C++ compiler and ninja are expected)")
+        pytest.skip("the native kernels did not build on this machine")
+    return built

@@ -3,7 +3,6 @@ layer with it against the layer without it."""
 
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import pytest
@@ -13,16 +12,12 @@ from hypothesis import strategies as st
 
 from engine.models import gpt_oss
 from engine.native import add_weighted_rows_kernel
+from tests.engine.engine_fixtures import built_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = add_weighted_rows_kernel()
-    if built is None:
-        if os.environ.get("CI"):
-            pytest.fail("the native kernels did not build in CI (a C++ compiler and ninja are expected)")
-        pytest.skip("the native kernels did not build on this machine")
-    return built
+    return built_kernel(add_weighted_rows_kernel)
 
 
 @settings(max_examples=80, deadline=None)

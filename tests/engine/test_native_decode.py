@@ -3,7 +3,6 @@ exactly the positions each query reads, with every page slot it must not read po
 
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import pytest
@@ -13,19 +12,14 @@ from hypothesis import strategies as st
 
 from engine import SamplingParams, attention, attention_plan
 from engine.native import paged_decode_kernel
-from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model
+from tests.engine.engine_fixtures import built_kernel, make_engine, run_to_completion, tiny_model
 
 LAYERS = 2
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = paged_decode_kernel()
-    if built is None:
-        if os.environ.get("CI"):
-            pytest.fail("the native kernel did not build in CI (a C++ compiler and ninja are expected)")
-        pytest.skip("the native kernel did not build on this machine")
-    return built
+    return built_kernel(paged_decode_kernel)
 
 
 def _case(lens, block_size, window, heads, head_dim, seed):

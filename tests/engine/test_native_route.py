@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import pytest
@@ -12,16 +11,12 @@ from hypothesis import strategies as st
 
 from engine.models import gpt_oss
 from engine.native import moe_route_kernel
+from tests.engine.engine_fixtures import built_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = moe_route_kernel()
-    if built is None:
-        if os.environ.get("CI"):
-            pytest.fail("the native kernels did not build in CI (a C++ compiler and ninja are expected)")
-        pytest.skip("the native kernels did not build on this machine")
-    return built
+    return built_kernel(moe_route_kernel)
 
 
 @settings(max_examples=80, deadline=None)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,16 +9,12 @@ from hypothesis import strategies as st
 
 from engine.models.gpt_oss import Experts
 from engine.native import clamped_swiglu_kernel
+from tests.engine.engine_fixtures import built_kernel
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = clamped_swiglu_kernel()
-    if built is None:
-        if os.environ.get("CI"):
-            pytest.fail("the native kernels did not build in CI (a C++ compiler and ninja are expected)")
-        pytest.skip("the native kernels did not build on this machine")
-    return built
+    return built_kernel(clamped_swiglu_kernel)
 
 
 def _torch_ops(gate_up, alpha, limit):
