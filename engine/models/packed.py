@@ -13,9 +13,14 @@ memory (64 distinct [512, 1024] matrices, us per matmul)::
     oneDNN packed 171   140   179   234   393   1338  2478
 
 so a matmul of two or more rows goes to oneDNN and one row (a batch-1 decode)
-stays on MKL's GEMV. oneDNN's result for a row does not depend on how many
-rows it came with (measured bit-identical in 1, 3 and 8 rows; MKL's is not),
-and differs from MKL's by float32 rounding (about 1e-6 relative).
+stays on MKL's GEMV. Where ``engine.native`` is built, up to ``NATIVE_MAX_ROWS`` rows go to
+its few-row kernel instead (``rows_linear``, one memory stream per weight row, the weight
+stored [out, in] in huge pages: [1024, 512] experts at 1 row ~25 GB/s against MKL's ~10,
+at 4 rows ~16-19 against oneDNN's 10-15, at 5-8 rows about oneDNN's speed).
+
+oneDNN's result for a row does not depend on how many rows it came with
+(measured bit-identical in 1, 3 and 8 rows; MKL's is not), and differs from
+MKL's by float32 rounding (about 1e-6 relative); so does the native kernel's.
 
 The packed copy doubles the memory of the weights it covers (the original
 stays: the one-row path, ``state_dict`` and GPUs use it). Only float32 CPU
@@ -28,11 +33,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.hugepages import huge_page_copy
+from engine.native import rows_linear_kernel
+
 # oneDNN picks its blocked layout for this many rows; measured the same speed for hints 8..256.
 _ROWS_HINT = 32
 # oneDNN's call costs ~10 us more than MKL's: for a weight in cache it wins from about [512, 256]
 # (measured: [128, 256] at 8 rows 21 us against MKL's 11; [512, 512] 58 against 75).
 MIN_PACKED_ELEMENTS = 1 << 17
+# Up to this many rows a float32 CPU matmul on an [out, in] weight runs on engine.native's kernel
+# (each row's result then does not depend on the others: a speculative verify of 1 + 4 drafts gives
+# each row what a one-row decode gives it). Beyond, oneDNN's blocked GEMM is faster.
+NATIVE_MAX_ROWS = 8
 
 
 def can_pack(weight: torch.Tensor, min_elements: int = MIN_PACKED_ELEMENTS) -> bool:
@@ -60,7 +72,12 @@ def gemv_layout(weight: torch.Tensor) -> torch.Tensor:
         1536 -> 576         11.7      14.9       SmolLM2's down
 
     Only weights with a packed copy are laid out so (their matmuls of two or more rows read the packed
-    copy); the one-row result differs from the other layout's by float32 rounding."""
+    copy); the one-row result differs from the other layout's by float32 rounding.
+
+    Where engine.native's few-row kernel is built (float32 CPU weights), [..., out, in] in huge pages
+    instead (``engine.models.hugepages``): what that kernel streams."""
+    if weight.dtype == torch.float32 and weight.device.type == "cpu" and rows_linear_kernel() is not None:
+        return huge_page_copy(weight)
     if weight.shape[-2] >= weight.shape[-1]:
         return weight.transpose(-2, -1).contiguous().transpose(-2, -1)
     return weight.contiguous()
@@ -68,8 +85,13 @@ def gemv_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x [N, in]: oneDNN on ``packed`` when N >= 2, MKL otherwise.
-    A weight stored [in, out] (GPT-OSS's experts) comes as ``w.t()``: MKL then runs ``addmm(bias, x, w)``."""
+    """``F.linear(x, weight, bias)`` for x [N, in]: engine.native's few-row kernel when N <= ``NATIVE_MAX_ROWS``
+    and the float32 CPU weight is stored [out, in]; else oneDNN on ``packed`` when N >= 2; else MKL. A weight
+    stored [in, out] (GPT-OSS's experts without the native kernel) comes as ``w.t()``: MKL then runs
+    ``addmm(bias, x, w)``."""
+    if x.shape[0] <= NATIVE_MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 \
+            and x.device.type == "cpu" and weight.is_contiguous() and rows_linear_kernel() is not None:
+        return rows_linear_kernel()(x.contiguous(), weight, bias)
     if packed is None or x.shape[0] < 2:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")

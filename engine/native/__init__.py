@@ -7,7 +7,9 @@ extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
 - ``moe_route``: GPT-OSS's routing (top-k, softmax, pairs sorted by expert), ``clamped_swiglu``:
   its expert activation in one pass, and ``add_weighted_rows``: its combine step
   (``engine.models.gpt_oss``);
-- ``rotate_half``: the rotary embedding of q and k in one pass (``engine.models.layers``).
+- ``rotate_half``: the rotary embedding of q and k in one pass (``engine.models.layers``);
+- ``rows_linear``: the matmul of a few rows (a decode step's), each weight row read once as one
+  memory stream (``engine.models.packed``).
 
 Where the build fails (no compiler) or ``WINDSERVE_NATIVE=0``, the accessors return None and the
 callers keep their torch path.
@@ -86,3 +88,8 @@ def rotate_half_kernel():
 def moe_route_kernel():
     """``moe_route(logits, k) -> [tokens, weights, counts]`` (route.cpp), or None."""
     return _kernel("moe_route")
+
+
+def rows_linear_kernel():
+    """``rows_linear(x, weight, bias) -> x @ weight.T + bias`` for a few rows (gemv.cpp), or None."""
+    return _kernel("rows_linear")

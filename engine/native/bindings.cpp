@@ -6,4 +6,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_weighted_rows", &add_weighted_rows, "out[tokens[i]] += weights[i] * rows[i], in order of i");
   m.def("rotate_half", &rotate_half, "rotary embedding (rotate-half) of [N, H, D] rows, one pass");
   m.def("moe_route", &moe_route, "top-k experts, their softmax, the pairs sorted by expert");
+  m.def("rows_linear", &rows_linear, "x @ weight.T + bias for a few rows, each weight row streamed once");
 }

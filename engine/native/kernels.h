@@ -16,3 +16,11 @@ void add_weighted_rows(at::Tensor& out, const at::Tensor& tokens, const at::Tens
 at::Tensor rotate_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k);
+
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
+namespace windserve {
+// y[t, :] = weight @ x[t, :] + bias for t < rows (gemv.cpp); weight [out, in] contiguous, bias may be null.
+void linear_rows(const float* x, int64_t rows, int64_t x_stride, const float* weight, const float* bias,
+                 int64_t out, int64_t in, float* y, int64_t y_stride);
+}  // namespace windserve

@@ -190,10 +190,12 @@ def test_build_model_names_unsupported_architecture():
 
 
 def test_packed_weights_are_stored_for_the_one_row_gemv(pair):
-    """In the ``onednn`` models every packed weight whose output is at least as wide as its input is stored
-    [in, out] (engine.models.packed.gemv_layout), a tied embedding included: the one-row matmuls that
-    test_greedy_tokens_match_generate runs (batch 1) read them so, against transformers' tokens."""
+    """In the ``onednn`` models every packed weight is stored as engine.models.packed.gemv_layout lays it
+    ([out, in] for engine.native's few-row kernel; without it [in, out] where the output is at least as wide),
+    a tied embedding included: the one-row matmuls that test_greedy_tokens_match_generate runs (batch 1) read
+    them so, against transformers' tokens."""
     from engine.models.packed import PackedLinear
+    from tests.engine.test_packed import stored_for_one_row
 
     _, _, ours, config = pair
     linears = [m for m in ours.modules() if isinstance(m, PackedLinear)]
@@ -203,5 +205,4 @@ def test_packed_weights_are_stored_for_the_one_row_gemv(pair):
     if ours.tie_word_embeddings:
         weights.append(ours.model.embed_tokens.weight)
     for weight in weights:
-        out_features, in_features = weight.shape
-        assert (weight.t() if out_features >= in_features else weight).is_contiguous()
+        assert stored_for_one_row(weight)
