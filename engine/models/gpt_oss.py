@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.decoder import AttentionOptions, DecoderForCausalLM
-from engine.models.packed import can_pack, gemv_layout, linear, pack
-from engine.native import add_weighted_rows_kernel, clamped_swiglu_kernel, moe_route_kernel
+from engine.models.packed import NATIVE_MAX_ROWS, can_pack, gemv_layout, linear, pack
+from engine.native import add_weighted_rows_kernel, clamped_swiglu_kernel, moe_experts_kernel, moe_route_kernel
 
 # Rows of one expert chunk: gate_up [256, 2I] of a mid-sized model stays in cache between the
 # matmul and the activation (an expert layer of 256 tokens, [512, 1024] experts: 27-29 ms against
@@ -120,6 +120,18 @@ class Experts(nn.Module):
             add_weighted_rows_kernel()(out, tokens[first:last], down, row_weights[first:last])
         return out
 
+    def forward_few(self, x: torch.Tensor, tokens: torch.Tensor, row_weights: torch.Tensor,
+                    counts: torch.Tensor) -> torch.Tensor | None:
+        """``forward_sorted`` for at most ``NATIVE_MAX_ROWS`` tokens (a decode step's) in one native call
+        (``moe_experts``: the same kernels in the same order, the same bits), or None where that kernel or
+        the weights' [experts, out, in] layout (``pack_weights`` with engine.native built) is missing."""
+        kernel = moe_experts_kernel()
+        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        if kernel is None or x.shape[0] > NATIVE_MAX_ROWS or not (gate_up.is_contiguous() and down.is_contiguous()):
+            return None
+        return kernel(x, tokens, row_weights, counts, gate_up, self.gate_up_proj_bias, down, self.down_proj_bias,
+                      self.alpha, self.limit)
+
     def _chunk_outputs(self, routed: torch.Tensor, counts: list[int]):
         """``(first, last, down)`` per chunk of experts: their rows ``routed[first:last]`` through the MLP."""
         for pieces in _chunks(counts):
@@ -160,14 +172,16 @@ class MoeMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """In float32 on the CPU the routing is one native call (top-k, softmax, pairs sorted by expert)."""
+        """In float32 on the CPU the routing is one native call (top-k, softmax, pairs sorted by expert), and a
+        decode step's few tokens go through the experts in one more (``Experts.forward_few``)."""
         route = moe_route_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" else None
         if route is None or add_weighted_rows_kernel() is None:
             experts, weights = self.router(x)
             return self.experts(x, experts, weights)
         logits = F.linear(x, self.router.weight, self.router.bias)
         tokens, row_weights, counts = route(logits, self.router.top_k)
-        return self.experts.forward_sorted(x, tokens, row_weights, counts.tolist())
+        out = self.experts.forward_few(x, tokens, row_weights, counts)
+        return out if out is not None else self.experts.forward_sorted(x, tokens, row_weights, counts.tolist())
 
 
 class GptOssForCausalLM(DecoderForCausalLM):

@@ -5,8 +5,8 @@ extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
 - ``paged_decode``: attention of a few new queries per request read in place from the KV pages
   (``engine.attention_plan``'s in-place requests);
 - ``moe_route``: GPT-OSS's routing (top-k, softmax, pairs sorted by expert), ``clamped_swiglu``:
-  its expert activation in one pass, and ``add_weighted_rows``: its combine step
-  (``engine.models.gpt_oss``);
+  its expert activation in one pass, ``add_weighted_rows``: its combine step, and ``moe_experts``:
+  the whole expert layer of a decode step's few tokens in one call (``engine.models.gpt_oss``);
 - ``rotate_half``: the rotary embedding of q and k in one pass (``engine.models.layers``);
 - ``rows_linear``: the matmul of a few rows (a decode step's), each weight row read once as one
   memory stream (``engine.models.packed``).
@@ -93,3 +93,9 @@ def moe_route_kernel():
 def rows_linear_kernel():
     """``rows_linear(x, weight, bias) -> x @ weight.T + bias`` for a few rows (gemv.cpp), or None."""
     return _kernel("rows_linear")
+
+
+def moe_experts_kernel():
+    """``moe_experts(x, tokens, weights, counts, gate_up, gate_up_bias, down, down_bias, alpha, limit) -> out``
+    (moe.cpp), or None."""
+    return _kernel("moe_experts")

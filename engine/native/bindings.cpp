@@ -7,4 +7,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotate_half", &rotate_half, "rotary embedding (rotate-half) of [N, H, D] rows, one pass");
   m.def("moe_route", &moe_route, "top-k experts, their softmax, the pairs sorted by expert");
   m.def("rows_linear", &rows_linear, "x @ weight.T + bias for a few rows, each weight row streamed once");
+  m.def("moe_experts", &moe_experts, "GPT-OSS's expert layer for a few tokens (pairs sorted by expert), one call");
 }

@@ -10,6 +10,24 @@
 #include <immintrin.h>
 #endif
 
+namespace windserve {
+
+void add_weighted_row(float* y, const float* v, float weight, int64_t width) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(weight);
+  for (; d + 16 <= width; d += 16) {
+    _mm512_storeu_ps(y + d, _mm512_add_ps(_mm512_loadu_ps(y + d), _mm512_mul_ps(scale, _mm512_loadu_ps(v + d))));
+  }
+#endif
+  for (; d < width; ++d) {
+    const float scaled = weight * v[d];
+    y[d] += scaled;
+  }
+}
+
+}  // namespace windserve
+
 void add_weighted_rows(at::Tensor& out, const at::Tensor& tokens, const at::Tensor& rows, const at::Tensor& weights) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && rows.scalar_type() == at::kFloat &&
                   weights.scalar_type() == at::kFloat && tokens.scalar_type() == at::kLong,
@@ -27,18 +45,6 @@ void add_weighted_rows(at::Tensor& out, const at::Tensor& tokens, const at::Tens
     TORCH_CHECK(0 <= t[i] && t[i] < num_tokens, "add_weighted_rows: token index out of range");
   }
   for (int64_t i = 0; i < num_rows; ++i) {  // sequential: two rows of one token add in this order
-    float* y = o + t[i] * width;
-    const float* v = x + i * width;
-    int64_t d = 0;
-#if defined(__AVX512F__)
-    const __m512 weight = _mm512_set1_ps(w[i]);
-    for (; d + 16 <= width; d += 16) {
-      _mm512_storeu_ps(y + d, _mm512_add_ps(_mm512_loadu_ps(y + d), _mm512_mul_ps(weight, _mm512_loadu_ps(v + d))));
-    }
-#endif
-    for (; d < width; ++d) {
-      const float scaled = w[i] * v[d];
-      y[d] += scaled;
-    }
+    windserve::add_weighted_row(o + t[i] * width, x + i * width, w[i], width);
   }
 }

@@ -19,8 +19,16 @@ std::vector<at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k);
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tokens, const at::Tensor& weights,
+                       const at::Tensor& counts, const at::Tensor& gate_up, const at::Tensor& gate_up_bias,
+                       const at::Tensor& down, const at::Tensor& down_bias, double alpha, double limit);
+
 namespace windserve {
 // y[t, :] = weight @ x[t, :] + bias for t < rows (gemv.cpp); weight [out, in] contiguous, bias may be null.
 void linear_rows(const float* x, int64_t rows, int64_t x_stride, const float* weight, const float* bias,
                  int64_t out, int64_t in, float* y, int64_t y_stride);
+// GPT-OSS's clamped SwiGLU of one interleaved gate/up row [2 * width] into y [width] (swiglu.cpp).
+void swiglu_row(const float* x, float* y, int64_t width, float alpha, float limit);
+// y[d] += weight * v[d], the product rounded before the sum (combine.cpp).
+void add_weighted_row(float* y, const float* v, float weight, int64_t width);
 }  // namespace windserve

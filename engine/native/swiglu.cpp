@@ -21,6 +21,10 @@ inline float swiglu_one(float gate, float up, float alpha, float limit) {
   return (sigmoid * gate) * (up + 1.0f);
 }
 
+}  // namespace
+
+namespace windserve {
+
 void swiglu_row(const float* x, float* y, int64_t width, float alpha, float limit) {
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -41,7 +45,7 @@ void swiglu_row(const float* x, float* y, int64_t width, float alpha, float limi
   for (; i < width; ++i) y[i] = swiglu_one(x[2 * i], x[2 * i + 1], alpha, limit);
 }
 
-}  // namespace
+}  // namespace windserve
 
 at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.device().is_cpu() && gate_up.dim() == 2 &&
@@ -53,7 +57,7 @@ at::Tensor clamped_swiglu(const at::Tensor& gate_up, double alpha, double limit)
   float* o = out.data_ptr<float>();
   const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) swiglu_row(in + r * 2 * width, o + r * width, width, a, lim);
+    for (int64_t r = begin; r < end; ++r) windserve::swiglu_row(in + r * 2 * width, o + r * width, width, a, lim);
   });
   return out;
 }
