@@ -156,12 +156,12 @@ def _padded_table(tables: list[list[int]], min_width: int) -> np.ndarray:
     return table
 
 
-def _raise_unbound(pages: np.ndarray, valid: np.ndarray, group: str, what: str) -> None:
-    bad = np.argwhere((pages < 0) & valid)
-    if len(bad):
-        raise ValueError(
-            f"layer group {group!r}: {what} needs an unbound (-1) block-table ordinal (at {bad[0].tolist()})"
-        )
+def _raise_unbound(pages: np.ndarray, valid: np.ndarray | None, group: str, what: str) -> None:
+    """Refuse a read (or write) of an unbound ordinal: ``pages`` where ``valid`` (everywhere: None)."""
+    unbound = pages < 0 if valid is None else (pages < 0) & valid
+    if unbound.any():
+        raise ValueError(f"layer group {group!r}: {what} needs an unbound (-1) block-table ordinal "
+                         f"(at {np.argwhere(unbound)[0].tolist()})")
 
 
 def _build_bucket(members, per_request, table, block_size, window, group, page_rows) -> AttentionBucket:
@@ -202,7 +202,7 @@ def _build_split_bucket(r, query_lens, query_starts, offsets, table, block_size,
     """A chunk after ``a`` cached tokens: causal over its own keys, plus every position of ``[0, a)``."""
     a, num_queries, offset = int(query_starts[r]), int(query_lens[r]), int(offsets[r])
     pages = table[r, : (a - 1) // block_size + 1]
-    _raise_unbound(pages, np.ones_like(pages, dtype=bool), group, "attention")
+    _raise_unbound(pages, None, group, "attention")
     query_rows = np.arange(offset, offset + num_queries)[None]
     none = np.zeros(0, dtype=np.int64)
     return AttentionBucket(*_tensors(query_rows, pages * page_rows, None, none, np.arange(num_queries),
@@ -244,8 +244,17 @@ def build_group_attention(
     positions = (batch.positions if batch.positions.device.type == "cpu" else batch.expected_positions()).numpy()
     requests = np.repeat(np.arange(batch.num_requests), query_lens)
     write_pages = table[requests, positions // block_size]
-    _raise_unbound(write_pages, np.ones_like(write_pages, dtype=bool), group, "a KV write")
+    _raise_unbound(write_pages, None, group, "a KV write")
     write_rows = write_pages * page_rows * block_size + positions % block_size
+    write_rows = torch.from_numpy(write_rows).to(device)
+    can_split = cache.dtype == torch.float32 and cache.device.type == "cpu"  # the kernel returns logsumexp
+    if can_split and query_lens.max() <= _MAX_IN_PLACE_QUERIES and paged_decode_kernel() is not None:
+        # a decode (or verify) step: every request in place, no window tiles (fewer queries than a tile)
+        first_blocks = np.zeros_like(query_starts) if window is None else \
+            np.maximum(0, query_starts - window + 1) // block_size
+        in_place = _build_in_place(np.arange(len(query_lens)), query_lens, seq_lens, first_blocks, offsets, table,
+                                   block_size, group)
+        return GroupAttention(window, write_rows, (), in_place)
     if window is None:
         first_blocks = np.zeros_like(query_starts)
     else:
@@ -254,7 +263,6 @@ def build_group_attention(
         first_blocks = np.maximum(0, query_starts - window + 1) // block_size
     num_blocks = (seq_lens - 1) // block_size + 1 - first_blocks
     per_request = (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)
-    can_split = cache.dtype == torch.float32 and cache.device.type == "cpu"  # the kernel returns logsumexp
     is_in_place = _in_place(query_lens, seq_lens, window) & (can_split and paged_decode_kernel() is not None)
     paged, causal, split = (kind[~is_in_place[kind]] for kind in _kinds(query_lens, query_starts, seq_lens,
                                                                           window, can_split))
@@ -267,8 +275,7 @@ def build_group_attention(
     units = np.flatnonzero(is_in_place)
     in_place = _build_in_place(units, query_lens, seq_lens, first_blocks, offsets, table, block_size,
                                group) if len(units) else None
-    return GroupAttention(window, torch.from_numpy(write_rows).to(device),
-                          tuple(_to_device(b, device) for b in buckets), in_place)
+    return GroupAttention(window, write_rows, tuple(_to_device(b, device) for b in buckets), in_place)
 
 
 def _in_place(query_lens: np.ndarray, seq_lens: np.ndarray, window: int | None) -> np.ndarray:
