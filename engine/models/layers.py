@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.native import rotate_half_kernel
+from engine.native import rms_norm_kernel, rotate_half_kernel
 
 # RoPE types whose inverse frequencies do not depend on the sequence length.
 _STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
@@ -17,9 +17,10 @@ class RMSNorm(nn.Module):
 
     ``scale_in_float32`` picks where the cast back happens, as in ``transformers``:
     Llama-style ``weight * x.to(dtype)`` (False) or GPT-OSS-style ``(weight * x).to(dtype)`` (True).
-    With float32 input and weight on the CPU (no cast either way) it is ATen's fused ``rms_norm``:
-    bit-identical to the five-op formula (hypothesis-tested over hidden sizes 1..4096), 12 against 27 us
-    for 32 rows of 128.
+    With float32 input and weight on the CPU (no cast either way) it is engine.native's one-pass kernel
+    where built (its sum of squares in another order: the mean within a bit of the formula's; ~1 against
+    ~10 us for a row of 512, 35 in a decode step), else ATen's fused ``rms_norm``: bit-identical to the
+    five-op formula (hypothesis-tested over hidden sizes 1..4096), 12 against 27 us for 32 rows of 128.
     """
 
     def __init__(self, hidden_size: int, eps: float, scale_in_float32: bool = False) -> None:
@@ -30,7 +31,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            kernel = rms_norm_kernel()
+            if kernel is None:
+                return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return kernel(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

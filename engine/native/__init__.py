@@ -7,7 +7,7 @@ extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
 - ``moe_route``: GPT-OSS's routing (top-k, softmax, pairs sorted by expert), ``clamped_swiglu``:
   its expert activation in one pass, ``add_weighted_rows``: its combine step, and ``moe_experts``:
   the whole expert layer of a decode step's few tokens in one call (``engine.models.gpt_oss``);
-- ``rotate_half``: the rotary embedding of q and k in one pass (``engine.models.layers``);
+- ``rotate_half``: the rotary embedding of q and k in one pass, and ``rms_norm`` (``engine.models.layers``);
 - ``rows_linear``: the matmul of a few rows (a decode step's), each weight row read once as one
   memory stream (``engine.models.packed``).
 
@@ -99,3 +99,8 @@ def moe_experts_kernel():
     """``moe_experts(x, tokens, weights, counts, gate_up, gate_up_bias, down, down_bias, alpha, limit) -> out``
     (moe.cpp), or None."""
     return _kernel("moe_experts")
+
+
+def rms_norm_kernel():
+    """``rms_norm(x, weight, eps) -> out`` (rmsnorm.cpp), or None."""
+    return _kernel("rms_norm")

@@ -23,6 +23,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tokens, const at::
                        const at::Tensor& counts, const at::Tensor& gate_up, const at::Tensor& gate_up_bias,
                        const at::Tensor& down, const at::Tensor& down_bias, double alpha, double limit);
 
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
 namespace windserve {
 // y[t, :] = weight @ x[t, :] + bias for t < rows (gemv.cpp); weight [out, in] contiguous, bias may be null.
 void linear_rows(const float* x, int64_t rows, int64_t x_stride, const float* weight, const float* bias,

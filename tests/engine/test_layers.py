@@ -1,7 +1,9 @@
 """RMSNorm and RoPE: the fast float32 CPU paths (ATen's fused rms_norm, the native rotate_half) are
-transformers' formulas bit for bit."""
+transformers' formulas bit for bit (the native rms_norm: tests/engine/test_native_rmsnorm.py)."""
 
 from __future__ import annotations
+
+from unittest import mock
 
 import pytest
 import torch
@@ -29,7 +31,7 @@ def test_float32_rms_norm_is_the_formula_bit_for_bit(rows, hidden, seed, scale_i
     x = torch.randn(rows, hidden, generator=gen) * torch.rand(rows, 1, generator=gen) * 8
     norm = RMSNorm(hidden, eps, scale_in_float32)
     norm.weight.data = torch.randn(hidden, generator=gen)
-    with torch.no_grad():
+    with torch.no_grad(), mock.patch.object(layers, "rms_norm_kernel", lambda: None):  # ATen's path
         assert torch.equal(norm(x), _formula(x, norm.weight, eps, scale_in_float32))
 
 
