@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.attention_plan import AttentionBucket, GroupAttention
-from engine.native import paged_decode_kernel
+from engine.native import paged_decode_kernel, write_kv_kernel
 
 # Key columns of one block of the CPU flash-attention kernel (kvSplitSize in ATen).
 _INVARIANT_KEY_BLOCK = 512
@@ -42,8 +42,12 @@ def paged_attention(
     block_size, num_tokens = kv_cache.shape[3], query.shape[0]
     token_rows = kv_cache.view(-1, kv_cache.shape[4] * kv_cache.shape[5])
     k_row = 2 * layer_index
-    for row, new in ((k_row, key), (k_row + 1, value)):
-        token_rows.index_copy_(0, meta.write_rows + row * block_size, new.reshape(num_tokens, -1).to(kv_cache.dtype))
+    if _writes_natively(kv_cache, key, value):
+        write_kv_kernel()(kv_cache, layer_index, meta.write_rows, key, value)
+    else:
+        for row, new in ((k_row, key), (k_row + 1, value)):
+            token_rows.index_copy_(0, meta.write_rows + row * block_size,
+                                   new.reshape(num_tokens, -1).to(kv_cache.dtype))
     page_rows = kv_cache.view(-1, block_size * token_rows.shape[1])
     out = query.new_empty(query.shape)
     if meta.in_place is not None:
@@ -61,6 +65,13 @@ def paged_attention(
             result = attend(queries, keys, values, b.mask, scale, sinks)
         out.index_copy_(0, b.out_tokens, result.flatten(0, 1).index_select(0, b.out_rows))
     return out
+
+
+def _writes_natively(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """float32 pages and rows on the CPU, each token's K (and V) rows contiguous: engine.native's write_kv."""
+    return (kv_cache.dtype == key.dtype == value.dtype == torch.float32 and kv_cache.device.type == "cpu"
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+            and write_kv_kernel() is not None)
 
 
 def _attend_in_place(query, kv_cache, layer_index, meta: GroupAttention, scale, sinks, out) -> None:

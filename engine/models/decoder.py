@@ -51,6 +51,7 @@ class PagedSelfAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=options.qkv_bias)
         self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=options.o_bias)
         self.sinks = nn.Parameter(torch.zeros(heads)) if options.has_sinks else None
+        self.num_heads, self.num_kv_heads = heads, kv_heads
         self.qkv: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None  # fuse_qkv
 
     def fuse_qkv(self) -> None:
@@ -90,7 +91,7 @@ class PagedSelfAttention(nn.Module):
             q = apply_rope(self.q_proj(hidden).view(num_tokens, -1, head), ctx.cos, ctx.sin)
             k = apply_rope(self.k_proj(hidden).view(num_tokens, -1, head), ctx.cos, ctx.sin)
             return q, k, self.v_proj(hidden).view(num_tokens, -1, head)
-        num_q, num_kv = self.q_proj.weight.shape[0] // head, self.k_proj.weight.shape[0] // head
+        num_q, num_kv = self.num_heads, self.num_kv_heads
         qkv = linear(hidden, *self.qkv).view(num_tokens, -1, head)
         qk = apply_rope(qkv[:, : num_q + num_kv], ctx.cos, ctx.sin)
         return qk[:, :num_q], qk[:, num_q:], qkv[:, num_q + num_kv:]

@@ -3,7 +3,7 @@ system's C++ compiler and ninja; ~30-60 s once per machine and source, then load
 extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
 
 - ``paged_decode``: attention of a few new queries per request read in place from the KV pages
-  (``engine.attention_plan``'s in-place requests);
+  (``engine.attention_plan``'s in-place requests), and ``write_kv``: a step's new K/V into their pages;
 - ``moe_route``: GPT-OSS's routing (top-k, softmax, pairs sorted by expert), ``clamped_swiglu``:
   its expert activation in one pass, ``add_weighted_rows``: its combine step, and ``moe_experts``:
   the whole expert layer of a decode step's few tokens in one call (``engine.models.gpt_oss``);
@@ -104,3 +104,8 @@ def moe_experts_kernel():
 def rms_norm_kernel():
     """``rms_norm(x, weight, eps) -> out`` (rmsnorm.cpp), or None."""
     return _kernel("rms_norm")
+
+
+def write_kv_kernel():
+    """``write_kv(cache, layer, write_rows, key, value)`` (kv_write.cpp), or None."""
+    return _kernel("write_kv")

@@ -9,4 +9,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "x @ weight.T + bias for a few rows, each weight row streamed once");
   m.def("moe_experts", &moe_experts, "GPT-OSS's expert layer for a few tokens (pairs sorted by expert), one call");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows in one pass");
+  m.def("write_kv", &write_kv, "a step's new K and V rows of one layer into their pages");
 }

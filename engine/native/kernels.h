@@ -25,6 +25,9 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tokens, const at::
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+void write_kv(at::Tensor& cache, int64_t layer, const at::Tensor& write_rows, const at::Tensor& key,
+              const at::Tensor& value);
+
 namespace windserve {
 // y[t, :] = weight @ x[t, :] + bias for t < rows (gemv.cpp); weight [out, in] contiguous, bias may be null.
 void linear_rows(const float* x, int64_t rows, int64_t x_stride, const float* weight, const float* bias,
