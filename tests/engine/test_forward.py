@@ -160,3 +160,28 @@ def test_an_unbound_ordinal_inside_the_window_raises(is_native):
     batch.block_tables["g"][0][3] = -1  # positions 12..15: inside the window of position 20
     with _native_kernel(is_native), pytest.raises(ValueError, match="unbound"):
         build_group_attention(batch, "g", 8, "cpu")
+
+
+@settings(max_examples=100, deadline=None)
+@given(lens=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 200)), min_size=1, max_size=8),
+       block_size=st.sampled_from([1, 4, 16]), window=st.sampled_from([None, 1, 8, 20, 128]),
+       pages_seed=st.integers(0, 1000))
+def test_a_decode_step_is_planned_as_the_general_path_plans_it(lens, block_size, window, pages_seed):
+    """Requests of at most 8 new queries (decode, verify) take the plain-Python builder; the general path,
+    which attends these short requests in place too (queries x keys <= 256 x 256), builds the same tensors."""
+    batch = _batch(lens, block_size, window, pages_seed)
+    with _native_kernel(True):
+        fast = build_group_attention(batch, "g", window, "cpu")
+        with mock.patch.object(attention_plan, "_MAX_IN_PLACE_QUERIES", 0):  # not a decode step: the general path
+            general = build_group_attention(batch, "g", window, "cpu")
+    assert fast.buckets == general.buckets == ()
+    assert torch.equal(fast.write_rows, general.write_rows)
+    for name in ("first_rows", "query_lens", "seq_lens", "tables"):
+        assert torch.equal(getattr(fast.in_place, name), getattr(general.in_place, name)), name
+
+
+def test_a_decode_write_to_an_unbound_ordinal_raises():
+    batch = _batch([(1, 20), (2, 3)], block_size=4, window=None, pages_seed=0)
+    batch.block_tables["g"][1][1] = -1  # request 1 writes position 4: block 1
+    with _native_kernel(True), pytest.raises(ValueError, match="a KV write .*unbound"):
+        build_group_attention(batch, "g", None, "cpu")
