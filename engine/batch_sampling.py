@@ -43,9 +43,11 @@ def sample_batch(sampler: Sampler, scheduled: list[ScheduledRequest], output: Ru
     requests = [scheduled[i].request for i in picked]
     for request in requests:
         seed_for_output(request)
-    rows = torch.tensor([output.spans[i][0] for i in picked], device=output.logits.device)
-    result = sampler.sample(output.logits.index_select(0, rows), [r.params for r in requests],
-                            [r.generator for r in requests])
+    rows = [output.spans[i][0] for i in picked]
+    logits = output.logits
+    if rows != list(range(logits.shape[0])):  # not simply every row in order (a decode step's): pick them
+        logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    result = sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
     for j, (i, request) in enumerate(zip(picked, requests)):
         token_ids[i], logprobs[i] = request.given_or_sampled(result.token_ids[j], result.logprobs[j])
     return SampleResult(token_ids, logprobs)

@@ -68,12 +68,13 @@ class ForwardBatch:
 
 
 def positions_of(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
-    """``cat([arange(s - q, s) for q, s in ...])`` in a few whole-batch numpy ops (no op per request;
-    a numpy op on these small arrays costs ~1 us, a torch op 5-10)::
+    """``cat([arange(s - q, s) for q, s in ...])``, built as one Python list (a decode step's few
+    positions: ~2 us, where five whole-batch numpy ops cost ~10, more in a step whose weight reads
+    have just emptied the caches; a 2,048-token prefill's: ~60 us, against its ~100 ms)::
 
         query_lens [2, 1, 3], seq_lens [5, 9, 3] -> [3, 4 | 8 | 0, 1, 2]
-        = arange(6)  [0, 1 | 2 | 3, 4, 5]  +  repeat(seq - query - first row)  [3, 3 | 6 | -3, -3, -3]
     """
-    counts = np.asarray(query_lens, dtype=np.int64)
-    shifts = np.asarray(seq_lens, dtype=np.int64) - np.cumsum(counts)  # = seq - query - first row
-    return torch.from_numpy(np.arange(int(counts.sum())) + np.repeat(shifts, counts))
+    positions: list[int] = []
+    for q, s in zip(query_lens, seq_lens):
+        positions.extend(range(s - q, s))
+    return torch.from_numpy(np.array(positions, dtype=np.int64))
