@@ -157,9 +157,11 @@ class DecoderForCausalLM(nn.Module):
 
     def pack_weights(self, min_elements: int) -> None:
         """A tied LM head (the embedding) packed for oneDNN, and the embedding stored for the head's
-        one-row GEMV (``gemv_layout``: [hidden, vocab]; SmolLM2's head 10.5 -> 5.8 ms a decode step, while
-        looking up 32 tokens' rows takes 0.18 instead of 0.01 ms and 2,048 prompt tokens' 18 instead of
-        1 ms). An untied ``lm_head`` is an ``nn.Linear`` that engine.models.packed.pack_for_cpu packs."""
+        one-row matmul (``gemv_layout``). With engine.native's few-row kernel that is [vocab, hidden], the
+        embedding's own layout, in huge pages; without it MKL's GEMV wants [hidden, vocab] (SmolLM2's head
+        10.5 -> 5.8 ms a decode step, while looking up 32 tokens' rows takes 0.18 instead of 0.01 ms and
+        2,048 prompt tokens' 18 instead of 1 ms). An untied ``lm_head`` is an ``nn.Linear`` that
+        engine.models.packed.pack_for_cpu packs."""
         head = self.model.embed_tokens.weight
         if not (self.tie_word_embeddings and can_pack(head, min_elements)):
             self.packed_head = None

@@ -55,7 +55,8 @@ class Experts(nn.Module):
 
     def pack_weights(self, min_elements: int) -> None:
         """Each expert's two weights, packed for oneDNN (float32 on the CPU only), and stored for the
-        one-row GEMV (``gemv_layout``: ``down_proj``, narrower out than in, as [experts, out, in])."""
+        one-row matmul (``gemv_layout``: [experts, out, in] in huge pages for engine.native's kernels; without
+        them ``down_proj``, narrower out than in, as [experts, out, in] and ``gate_up_proj`` as loaded)."""
         if can_pack(self.gate_up_proj[0], min_elements) and can_pack(self.down_proj[0], min_elements):
             self.packed = {name: [pack(w.t()) for w in getattr(self, name)] for name in ("gate_up_proj", "down_proj")}
             for name in ("gate_up_proj", "down_proj"):
