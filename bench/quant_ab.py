@@ -6,8 +6,7 @@ embedding and tied LM head) against the same weights dequantized to float32 (``q
 One torch thread. 1. batch-1 decode step: both engines loaded in one process, runs of 24 steps alternated
    (``bench.common.interleave``), median and best step over all runs but the first of each;
 2. prefill of one 400-token prompt, the same way;
-3. memory per worker: each mode loaded in a fresh process, its resident set (``VmRSS``) after loading
-   and its peak (``VmHWM``; the converted float32 folder is read in full at load either way).
+3. memory per worker: each mode loaded in a fresh process (``memory_of``).
 Writes ``quant_ab.json``.
 """
 
@@ -29,11 +28,21 @@ PROMPT_LEN = 400
 
 
 def memory_of(mode: str) -> dict:
-    """VmRSS and VmHWM (MiB) of a fresh process that loaded SmolLM2 with ``quantization: mode``."""
-    code = ("from engine import EngineConfig; from engine.worker_model import WorkerModel; "
-            f"m = WorkerModel.load(EngineConfig(model={SMOLLM2_NAME!r}, device='cpu', quantization={mode!r})); "
-            "import json; s = dict(l.split(':') for l in open('/proc/self/status')); "
-            "print(json.dumps({k: int(s[k].split()[0]) / 1024 for k in ('VmRSS', 'VmHWM')}))")
+    """Resident MiB of a fresh process that loads SmolLM2 with ``quantization: mode``: before the load
+    (torch, transformers imported), after it, after glibc hands freed memory back (``malloc_trim``: the
+    converted float32 folder read at load is freed but may stay in malloc's heap), and its peak."""
+    code = f"""
+import ctypes, json
+from engine import EngineConfig
+from engine.worker_model import WorkerModel
+def rss(key='VmRSS'):
+    return int(dict(l.split(':') for l in open('/proc/self/status'))[key].split()[0]) / 1024
+before = rss()
+m = WorkerModel.load(EngineConfig(model={SMOLLM2_NAME!r}, device='cpu', quantization={mode!r}))
+loaded = rss()
+ctypes.CDLL('libc.so.6').malloc_trim(0)
+print(json.dumps(dict(rss_before_mib=before, rss_loaded_mib=loaded, rss_trimmed_mib=rss(), peak_mib=rss('VmHWM'))))
+"""
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -72,9 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
         prefill = [p for p, _ in runs[mode][1:]]
         figures[mode] = {"step_ms": median(decode) * 1e3, "step_ms_best": min(decode) * 1e3,
                          "prefill_ms": median(prefill) * 1e3, **memory_of(mode)}
-        rows.append([mode, *(figures[mode][k] for k in ("step_ms", "step_ms_best", "prefill_ms", "VmRSS", "VmHWM"))])
+        rows.append([mode, *(figures[mode][k] for k in ("step_ms", "step_ms_best", "prefill_ms", "rss_before_mib",
+                                                        "rss_loaded_mib", "rss_trimmed_mib", "peak_mib"))])
     print_table("SmolLM2-135M-Instruct, quantized (auto) vs dequantized float32 (none), one torch thread",
-                ["quantization", "step ms", "best ms", f"prefill {PROMPT_LEN} ms", "RSS MiB", "peak MiB"], rows)
+                ["quantization", "step ms", "best ms", f"prefill {PROMPT_LEN} ms", "RSS before load MiB",
+                 "loaded", "trimmed", "peak"], rows)
     write_json(args.out, "quant_ab", figures)
     return figures
 
