@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 NAN = float("nan")
+LAYERS = 2
 
 
 @dataclass
@@ -76,3 +77,25 @@ def expected_output(case: DecodeCase, scale: float, with_sinks: bool) -> torch.T
                 logits = torch.cat([logits, case.sinks[h:h + 1].double()])
             out[t, h] = logits.softmax(0)[: len(reads)] @ values[:, h // group]
     return out
+
+
+def write_case(num_tokens, block_size, num_pages, seed):
+    """A random cache [pages, LAYERS, 2, B, 2, 4], and for each token a distinct slot or (40%) -1."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(num_pages, LAYERS, 2, block_size, 2, 4, generator=gen)
+    slots = torch.randperm(num_pages * block_size, generator=gen)[:num_tokens]
+    skipped = torch.rand(num_tokens, generator=gen) < 0.4
+    slot_mapping = torch.where(skipped, -1, slots)
+    key, value = (torch.randn(num_tokens, 2, 4, generator=gen) for _ in range(2))
+    return cache, slot_mapping, key, value
+
+
+def expected_after_write(cache, layer, slot_mapping, key, value):
+    """The cache with token t's K and V in slot_mapping[t]'s page and offset, one slot at a time."""
+    expected = cache.clone()
+    block_size = cache.shape[3]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            expected[slot // block_size, layer, 0, slot % block_size] = key[t]
+            expected[slot // block_size, layer, 1, slot % block_size] = value[t]
+    return expected

@@ -8,9 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.gpu.reference import reference_decode_attention, reference_write_kv
-from tests.engine.gpu.decode_cases import expected_output, make_case
-
-LAYERS = 2
+from tests.engine.gpu.decode_cases import LAYERS, expected_after_write, expected_output, make_case, write_case
 
 
 @settings(max_examples=40, deadline=None)
@@ -38,26 +36,6 @@ def test_reference_in_bf16_rounds_like_its_inputs():
                                      case.positions, window=None, scale=0.25, sinks=case.sinks)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), expected_output(case, 0.25, True), rtol=2e-2, atol=2e-2)
-
-
-def write_case(num_tokens, block_size, num_pages, seed):
-    gen = torch.Generator().manual_seed(seed)
-    cache = torch.randn(num_pages, LAYERS, 2, block_size, 2, 4, generator=gen)
-    slots = torch.randperm(num_pages * block_size, generator=gen)[:num_tokens]
-    skipped = torch.rand(num_tokens, generator=gen) < 0.4
-    slot_mapping = torch.where(skipped, -1, slots)
-    key, value = (torch.randn(num_tokens, 2, 4, generator=gen) for _ in range(2))
-    return cache, slot_mapping, key, value
-
-
-def expected_after_write(cache, layer, slot_mapping, key, value):
-    expected = cache.clone()
-    block_size = cache.shape[3]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot >= 0:
-            expected[slot // block_size, layer, 0, slot % block_size] = key[t]
-            expected[slot // block_size, layer, 1, slot % block_size] = value[t]
-    return expected
 
 
 @settings(max_examples=40, deadline=None)
