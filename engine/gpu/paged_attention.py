@@ -1,9 +1,10 @@
 """The GPU decode step's attention API: paged decode attention read in place, and the K/V write.
 
 Both run the Triton kernels (engine.gpu.triton_attention, engine.gpu.triton_kv_write) where Triton
-can run them: CUDA tensors with Triton importable, or CPU tensors under ``TRITON_INTERPRET=1``
-(Triton's interpreter, how CI tests the kernels). Elsewhere the torch references of
-engine.gpu.reference run, with the same semantics. Both paths are capturable by a CUDA graph:
+can run them: CUDA tensors with Triton importable and compiling, or CPU tensors where the process's
+Triton is its interpreter (``TRITON_INTERPRET=1`` when Triton was first imported: how CI tests the
+kernels; see engine.gpu.triton_build). Elsewhere the torch references of engine.gpu.reference run,
+with the same semantics (also CUDA tensors in an interpreting process). Both paths are capturable by a CUDA graph:
 fixed shapes, no host sync, no allocation whose size depends on the data.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -88,16 +90,24 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_context_len: int,
 
 
 def _runs_triton(tensor: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Triton where it can run: CUDA tensors, or CPU tensors under its interpreter."""
+    """Triton where it can run: CUDA tensors when it compiles, CPU tensors when it interprets. A CPU
+    call without TRITON_INTERPRET does not import Triton (which would fix its mode to compiled)."""
     if not _triton_importable():
         return False
     if tensor.is_cuda and kv_cache.is_cuda:
-        return True
-    return tensor.device.type == kv_cache.device.type == "cpu" and interpreting()
+        from engine.gpu.triton_build import is_interpreted
+
+        return not is_interpreted()
+    if tensor.device.type != "cpu" or kv_cache.device.type != "cpu":
+        return False
+    if not _interpreting_asked() and "triton.language" not in sys.modules:
+        return False
+    from engine.gpu.triton_build import is_interpreted
+
+    return is_interpreted()
 
 
-def interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for Triton's interpreter (checked at every call)."""
+def _interpreting_asked() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

@@ -29,10 +29,9 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from engine.gpu.paged_attention import interpreting
-from engine.gpu.triton_build import jitted, next_power_of_2
+from engine.gpu.triton_build import is_interpreted, jitted, next_power_of_2
 
-_NO_SCORE = -1.0e30  # the running max before any key: finite, so an empty tile gives exp(0), never NaN
+_NO_SCORE = tl.constexpr(-1.0e30)  # the running max before any key: finite, so an empty tile gives exp(0), never NaN
 
 
 def triton_decode_attention(query, kv_cache, layer_index, block_tables, table_rows, positions, *,
@@ -46,23 +45,37 @@ def triton_decode_attention(query, kv_cache, layer_index, block_tables, table_ro
     parts = query.new_empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32) if is_split else out
     lse = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32) if is_split else out
     sinks_arg = sinks.float().contiguous() if sinks is not None else query
-    is_interpreted = query.device.type == "cpu" and interpreting()
-    group = num_heads // num_kv
-    jitted(_decode_body, is_interpreted)[(num_tokens, num_kv, num_splits)](
+    constants, num_warps = decode_constants(num_heads // num_kv, head_dim, kv_cache.shape[3], has_window=window
+                                            is not None, has_sinks=sinks is not None, is_split=is_split,
+                                            dot_fp32=is_interpreted() or torch.float32 in (query.dtype, kv_cache.dtype))
+    jitted(_decode_body)[(num_tokens, num_kv, num_splits)](
         query, kv_cache, block_tables, table_rows, positions, sinks_arg, parts, lse,
         query.stride(0), query.stride(1), parts.stride(0), parts.stride(1), block_tables.stride(0),
         kv_cache.stride(0), layer_index * kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        window or 0, scale, num_splits,
-        BLOCK_SIZE=kv_cache.shape[3], GROUP=group, BLOCK_G=next_power_of_2(group, 16), HEAD_DIM=head_dim,
-        BLOCK_D=next_power_of_2(head_dim, 16), BLOCK_K=32 if head_dim > 64 else 64,
-        HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None, IS_SPLIT=is_split,
-        DOT_FP32=is_interpreted or torch.float32 in (query.dtype, kv_cache.dtype))
+        window or 0, scale, num_splits, **constants, num_warps=num_warps)
     if is_split:
-        jitted(_combine_body, is_interpreted)[(num_tokens, num_heads)](
+        jitted(_combine_body)[(num_tokens, num_heads)](
             parts, lse, sinks_arg, out, parts.stride(0), parts.stride(1), out.stride(0), out.stride(1),
             num_splits, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(num_splits),
             HAS_SINKS=sinks is not None)
     return out
+
+
+def decode_constants(group: int, head_dim: int, block_size: int, *, has_window: bool, has_sinks: bool,
+                     is_split: bool, dot_fp32: bool) -> tuple[dict, int]:
+    """The decode kernel's compile-time constants and its warps per program.
+
+    ``tl.dot`` needs every side at least 16: the G query heads are padded to 16 rows. A key tile of
+    ``BLOCK_K x BLOCK_D = 2048`` values with 8 warps compiles for sm_90 without register spills in
+    float32 and bf16 at D = 64 and 128 (4 warps, or 4096-value tiles, spilled: 255 registers and
+    48-6744 bytes of stack, cuobjdump on the sm_90 cubin; tests/engine/gpu/test_triton_compile.py
+    keeps it so). Whether wider tiles at lower occupancy run faster is unmeasured (no GPU at hand).
+    """
+    block_d = next_power_of_2(head_dim, 16)
+    constants = dict(BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=next_power_of_2(group, 16), HEAD_DIM=head_dim,
+                     BLOCK_D=block_d, BLOCK_K=max(16, 2048 // block_d), HAS_WINDOW=has_window, HAS_SINKS=has_sinks,
+                     IS_SPLIT=is_split, DOT_FP32=dot_fp32)
+    return constants, 8
 
 
 def _check(query, kv_cache, block_tables, out) -> None:

@@ -1,10 +1,11 @@
-"""Decorating engine.gpu's kernels with ``triton.jit`` on first use, once per mode.
+"""Triton's mode in this process, and engine.gpu's kernels decorated on first use in that mode.
 
-Triton decides at decoration time whether a kernel is compiled for the GPU or run by its
-interpreter (``TRITON_INTERPRET=1``, CPU tensors). Decorating at import would freeze whichever the
-environment said when the module was first imported; here each kernel body is a plain function,
-decorated lazily for the mode the call asks for, so CUDA tensors and interpreted CPU tensors can
-both run in one process (a GPU machine running the CPU tests too).
+Triton is compiled (GPU) or interpreted (``TRITON_INTERPRET=1``: kernels run as Python on CPU
+tensors, how CI tests them) for a whole process: the mode is read when ``triton.language`` is first
+imported, which decorates Triton's own library functions (``tl.cdiv``, ...) for it, and a kernel of
+one mode cannot call those of the other. So this module reads the mode back from those functions
+rather than from the environment (which may have changed since), and decorates each kernel body
+(a plain function) for that same mode, whatever ``TRITON_INTERPRET`` says at the time.
 """
 
 from __future__ import annotations
@@ -14,13 +15,21 @@ import os
 from collections.abc import Callable
 
 import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 
 @functools.cache
-def jitted(body: Callable, is_interpreted: bool):
-    """``triton.jit(body)``, compiled (False) or interpreted (True)."""
+def is_interpreted() -> bool:
+    """Whether this process's Triton runs kernels in its interpreter (fixed at its first import)."""
+    return not isinstance(tl.standard.cdiv, JITFunction)
+
+
+@functools.cache
+def jitted(body: Callable):
+    """``triton.jit(body)`` in the process's mode: ``triton.jit`` reads TRITON_INTERPRET when it decorates."""
     saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if is_interpreted else "0"
+    os.environ["TRITON_INTERPRET"] = "1" if is_interpreted() else "0"
     try:
         return triton.jit(body)
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from engine.gpu.paged_attention import interpreting
 from engine.gpu.triton_build import jitted, next_power_of_2
 
 
@@ -25,8 +24,7 @@ def triton_write_kv(kv_cache, layer_index, slot_mapping, key, value) -> None:
         if new.shape != (slot_mapping.shape[0], *kv_cache.shape[4:]) or new.stride(2) != 1 \
                 or new.stride(1) != new.shape[2]:
             raise ValueError("key and value must be [N, Hkv, D], each token's Hkv x D contiguous")
-    is_interpreted = kv_cache.device.type == "cpu" and interpreting()
-    jitted(_write_body, is_interpreted)[(slot_mapping.shape[0],)](
+    jitted(_write_body)[(slot_mapping.shape[0],)](
         kv_cache, slot_mapping, key, value, key.stride(0), value.stride(0), kv_cache.stride(0),
         layer_index * kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[3], WIDTH=width, BLOCK_W=next_power_of_2(width))

@@ -1,6 +1,10 @@
-"""Triton's interpreter for every test here: TRITON_INTERPRET is read when a kernel is decorated, so it
-is set before any test module imports engine.gpu's Triton modules (engine.gpu also checks it per call)."""
+"""Triton's interpreter for the kernels' tests where there is no GPU (CI): Triton fixes its mode when it
+is first imported (engine.gpu.triton_build), so TRITON_INTERPRET is set here, before any test module
+imports it. On a GPU machine Triton compiles and the same tests run the kernels on CUDA tensors."""
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
