@@ -73,6 +73,9 @@ class EngineConfig:
     ``dtype`` ``"auto"`` picks bfloat16 where the hardware has it (``resolve_dtype``).
     ``enable_prefix_caching`` reuses the KV of full blocks another request (or an
     earlier turn) computed with the same prefix (kvcache.prefix).
+    ``use_static_buffers`` runs decode and verify steps over fixed buffers with device sampling
+    (engine.gpu; None: on CUDA only, True forces it, eagerly, on the CPU too); there
+    ``enforce_eager`` (vLLM's name) turns CUDA graphs off. The CPU never captures graphs.
     """
 
     model: str = "windserve-tiny"
@@ -88,6 +91,8 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     enable_prefix_caching: bool = True
+    use_static_buffers: bool | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
