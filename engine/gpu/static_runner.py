@@ -82,16 +82,7 @@ class StaticStepRunner:
                            request.seed, request.num_output_tokens)
 
     def _forward(self, size: int) -> torch.Tensor:
-        """The model over the buffers' first ``size`` tokens: what a graph captures."""
-        buffers = self.buffers
-        static = StaticAttention(  # a padded token's row -1 -> 0: its position -1 already reads nothing
-            positions=buffers.token_view("positions", size).long(),
-            table_rows=buffers.token_view("table_rows", size).clamp(min=0),
-            block_tables={group: buffers.views["tables", group] for group in buffers.groups},
-            slots={group: buffers.views["slots", group][:size].long() for group in buffers.groups},
-        )
-        input_ids = buffers.token_view("input_ids", size).long()
-        return self.model.forward_static(input_ids, static, self.rope_table, self.manager.storage.tensors)
+        return static_forward(self.model, self.buffers, size, self.rope_table, self.manager.storage.tensors)
 
     def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledRequest],
                 spans: list[tuple[int, int]]) -> StepSamples:
@@ -114,6 +105,18 @@ class StaticStepRunner:
             parts += [chosen, values.flatten(), top_ids.flatten()]
         host = torch.cat([part.double() for part in parts]).tolist()  # the step's one device->host copy
         return _unpack(host, scheduled, spans, num_top)
+
+
+def static_forward(model: torch.nn.Module, buffers: StaticStepBuffers, size: int,
+                   rope_table: tuple[torch.Tensor, torch.Tensor], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model over the buffers' first ``size`` tokens, logits [size, V]: what a graph captures."""
+    static = StaticAttention(  # a padded token's row -1 -> 0: its position -1 already reads nothing
+        positions=buffers.token_view("positions", size).long(),
+        table_rows=buffers.token_view("table_rows", size).clamp(min=0),
+        block_tables={group: buffers.views["tables", group] for group in buffers.groups},
+        slots={group: buffers.views["slots", group][:size].long() for group in buffers.groups},
+    )
+    return model.forward_static(buffers.token_view("input_ids", size).long(), static, rope_table, kv_caches)
 
 
 def _unpack(host: list[float], scheduled: list[ScheduledRequest], spans: list[tuple[int, int]],
