@@ -125,3 +125,21 @@ def test_engine_with_the_static_path_forced_matches_eager_and_transformers(tiny_
     assert got[True] == got[False]
     for i, want in enumerate(expected):
         assert got[True][f"r{i}"] == want, f"prompt of {len(prompts[i])} tokens diverges"
+
+
+def test_seeded_static_sampling_does_not_depend_on_drafts_or_batch(tiny_model, reference):
+    """Device draws are keyed by (seed, output index): drafts verified by drawing, alone or in a batch,
+    the same tokens come out."""
+    prompts = reference[0][:3]
+    params = [SamplingParams(max_tokens=32, temperature=0.3, top_k=50, seed=11 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    got = {}
+    for draft_len in (0, 3):
+        engine = make_engine(tiny_model, tokens_per_block=8, max_draft_len=draft_len, max_model_len=160,
+                             max_num_seqs=4, use_static_buffers=True)
+        got[draft_len] = run_to_completion(engine, prompts, params)
+        assert draft_len == 0 or engine.num_drafts_accepted > 0  # drafts accepted by drawing, not only refused
+    alone = make_engine(tiny_model, tokens_per_block=8, max_model_len=160, max_num_seqs=4, use_static_buffers=True)
+    assert got[0] == got[3]
+    assert run_to_completion(alone, prompts[1:2], params[1:2])["r0"] == got[0]["r1"]
+    assert len(set(map(tuple, got[0].values()))) == 3
