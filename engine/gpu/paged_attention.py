@@ -42,7 +42,9 @@ def paged_decode_attention(query, kv_cache, layer_index, block_tables, table_row
 
     The kernel never dereferences a -1 ordinal (its keys count as absent); that every ordinal a
     token reads is bound is the host's check (the graph runner's buffer builder raises), not this
-    function's: an unbound ordinal inside a window silently drops its keys.
+    function's: an unbound ordinal inside a window silently drops its keys. The host also keeps
+    ``positions[t] // B < M`` (the table row covers the position): nothing here checks a value,
+    which would cost a device-to-host sync.
 
     ``num_splits > 1``: each token's keys are cut into that many ranges attended separately (more
     programs for few long rows: flash-decoding), then merged by their logsumexps; equal to

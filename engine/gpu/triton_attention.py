@@ -20,8 +20,9 @@ sink once, in a second kernel::
 The two dots per tile run in float32 (``input_precision="ieee"``: no TF32) when the query or the
 pages are float32; bf16/fp16 pages and queries dot in their own type with float32 accumulation.
 Under the interpreter they always dot in float32: Triton 3.9's interpreter multiplies bf16 operands
-as their raw uint16 bits (its ``create_dot`` converts only 8-bit floats), so the GPU's bf16 dot is
-the one piece the CPU tests cannot reach.
+as their raw uint16 bits (its ``create_dot`` converts only 8-bit floats). So the bf16 dot is the
+one piece CI compiles (tests/engine/gpu/test_triton_compile.py) but cannot run; bench/gpu_check.sh's
+``triton`` step runs the same tests on a GPU.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from engine.gpu.paged_attention import paged_decode_attention, write_kv
 from engine.layout import LayerSlot, head_dim, layer_slots, num_kv_heads
 from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from engine.models.packed import can_pack, gemv_layout, linear, pack
+from engine.models.quantized import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,25 @@ class PagedSelfAttention(nn.Module):
         tensor: parameters, ``state_dict`` and memory stay as they were. Call once the weights are loaded
         and on their device: ``Module.to`` afterwards would part the views from the fused tensor."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
+        if any(isinstance(p.weight, QuantizedWeight) for p in projs):
+            self._fuse_quantized()
+            return
         with torch.no_grad():
             weight = torch.cat([p.weight for p in projs])
             bias = torch.cat([p.bias for p in projs]) if self.q_proj.bias is not None else None
             self._share_fused(weight, bias)
+
+    def _fuse_quantized(self) -> None:
+        """GGUF blocks of q, k and v (engine.models.quantized) in one weight, when all three are quantized
+        alike; q/k/v keep views of its rows. Mixed formats stay three matmuls."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(isinstance(p.weight, QuantizedWeight) and p.weight.kind == projs[0].weight.kind for p in projs):
+            return
+        weight = QuantizedWeight.cat([p.weight for p in projs])
+        for proj, part in zip(projs, weight.split([p.weight.shape[0] for p in projs])):
+            proj.weight = part
+        bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
+        self.qkv = (weight, bias, None)
 
     def _share_fused(self, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None):
         """q/k/v's parameters become views of the fused ``weight`` and ``bias``."""

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.hugepages import huge_page_copy
+from engine.models.quantized import QuantizedWeight
 from engine.native import rows_linear_kernel
 
 # oneDNN picks its blocked layout for this many rows; measured the same speed for hints 8..256.
@@ -47,8 +48,9 @@ MIN_PACKED_ELEMENTS = 1 << 17
 NATIVE_MAX_ROWS = 8
 
 
-def can_pack(weight: torch.Tensor, min_elements: int = MIN_PACKED_ELEMENTS) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= min_elements
+def can_pack(weight: torch.Tensor | QuantizedWeight, min_elements: int = MIN_PACKED_ELEMENTS) -> bool:
+    return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and weight.numel() >= min_elements
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
@@ -83,12 +85,15 @@ def gemv_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.contiguous()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [N, in]: engine.native's few-row kernel when N <= ``NATIVE_MAX_ROWS``
     and the float32 CPU weight is stored [out, in]; else oneDNN on ``packed`` when N >= 2; else MKL. A weight
     stored [in, out] (GPT-OSS's experts without the native kernel) comes as ``w.t()``: MKL then runs
-    ``addmm(bias, x, w)``."""
+    ``addmm(bias, x, w)``. A ``QuantizedWeight`` (GGUF blocks) takes its own few-row kernel up to
+    ``NATIVE_MAX_ROWS`` rows, its tiled GEMM beyond (engine.models.quantized)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.linear(x, bias, is_few_rows=x.shape[0] <= NATIVE_MAX_ROWS)
     if x.shape[0] <= NATIVE_MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32 \
             and x.device.type == "cpu" and weight.is_contiguous() and rows_linear_kernel() is not None:
         return rows_linear_kernel()(x.contiguous(), weight, bias)

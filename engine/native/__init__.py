@@ -9,7 +9,9 @@ extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
   the whole expert layer of a decode step's few tokens in one call (``engine.models.gpt_oss``);
 - ``rotate_half``: the rotary embedding of q and k in one pass, and ``rms_norm`` (``engine.models.layers``);
 - ``rows_linear``: the matmul of a few rows (a decode step's), each weight row read once as one
-  memory stream (``engine.models.packed``).
+  memory stream (``engine.models.packed``);
+- ``quant_linear``, ``quant_matmul``, ``quant_rows``: matmuls on GGUF weights kept in their Q8_0 / Q4_0 /
+  Q4_1 blocks, and their rows dequantized (``engine.models.quantized``).
 
 Where the build fails (no compiler) or ``WINDSERVE_NATIVE=0``, the accessors return None and the
 callers keep their torch path.
@@ -109,3 +111,20 @@ def rms_norm_kernel():
 def write_kv_kernel():
     """``write_kv(cache, layer, write_rows, key, value)`` (kv_write.cpp), or None."""
     return _kernel("write_kv")
+
+
+def quant_linear_kernel():
+    """``quant_linear(x, blocks, kind, bias) -> x @ W.T + bias`` for a few rows, W in GGUF blocks
+    (quant_gemv.cpp), or None."""
+    return _kernel("quant_linear")
+
+
+def quant_matmul_kernel():
+    """``quant_matmul(x, blocks, kind, bias, tile_rows) -> x @ W.T + bias``, W dequantized a tile of rows at a
+    time (quant.cpp), or None."""
+    return _kernel("quant_matmul")
+
+
+def quant_rows_kernel():
+    """``quant_rows(blocks, kind, index) -> float32 rows`` of a GGUF-quantized weight (quant.cpp), or None."""
+    return _kernel("quant_rows")

@@ -28,6 +28,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void write_kv(at::Tensor& cache, int64_t layer, const at::Tensor& write_rows, const at::Tensor& key,
               const at::Tensor& value);
 
+// Matmuls on GGUF quantized blocks [out, in / 32 * block bytes], kind = ggml's type id (quant.cpp).
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                        const c10::optional<at::Tensor>& bias);
+
+at::Tensor quant_rows(const at::Tensor& blocks, int64_t kind, const at::Tensor& index);
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                        const c10::optional<at::Tensor>& bias, int64_t tile_rows);
+
 namespace windserve {
 // y[t, :] = weight @ x[t, :] + bias for t < rows (gemv.cpp); weight [out, in] contiguous, bias may be null.
 void linear_rows(const float* x, int64_t rows, int64_t x_stride, const float* weight, const float* bias,

@@ -14,6 +14,7 @@ from actors.generation_worker import GenerationWorker
 from actors.messages import Prefilled
 from engine import SamplingParams
 from engine.outputs import RequestUpdate, without_first_token
+from kvcache import KVCacheManager, slice_range
 from tests.engine.engine_fixtures import make_engine
 from tests.engine.test_handoff import CANDIDATES, crosses_a_block, handoff_len
 
@@ -90,6 +91,21 @@ async def disagg_usage(ctx, gen, request_id: str, prompt: list[int], params: Sam
         if update.finish_reason == "error":
             raise RuntimeError(update.error)
     return tokens, num_cached_tokens
+
+
+def slice_bytes(manager: KVCacheManager, num_kv_tokens: int) -> int:
+    """Bytes of the windowed slice of ``num_kv_tokens`` (kvcache's planner), over ``manager``'s groups:
+    what a pull moves when the receiver holds none of it."""
+    B = manager.spec.tokens_per_block
+    return sum(len(slice_range(num_kv_tokens, g.window, B)) * manager.storage.page_nbytes(g.name)
+               for g in manager.spec.groups)
+
+
+async def transfer_counts(*generations) -> list[tuple[int, int]]:
+    """(transfer fallbacks, transfers) per generation worker: a test that made ``n`` handoffs to one
+    expects (0, n); a fallback prefills locally and gives the same tokens, so only this tells them apart."""
+    stats = [await gen.stats.remote() for gen in generations]
+    return [(s["num_transfer_fallbacks"], s["kv_transfers"]) for s in stats]
 
 
 def run_in_order(engine, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], int]]:

@@ -24,6 +24,7 @@ from tests.actors.disagg_helpers import (
     prompts_sharing_prefixes,
     random_prompts,
     started,
+    transfer_counts,
     worker_config,
 )
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
@@ -61,11 +62,14 @@ def test_disaggregated_equals_aggregated(ray_session, tiny_model):
         results = await asyncio.gather(*[job(i) for i in range(len(first))])
         results += await asyncio.gather(*[job(i) for i in range(len(first), len(prompts))])
         stats = [await worker.stats.remote() for worker in (*contexts, *generations)]
-        return results, stats, await free_pages(*contexts, *generations)
+        return results, stats, await transfer_counts(*generations), await free_pages(*contexts, *generations)
 
-    results, stats, pages = asyncio.run(main())
+    results, stats, transfers, pages = asyncio.run(main())
     for i, tokens in enumerate(results):
         assert tokens == expected[f"r{i}"], f"request {i} (prompt {len(prompts[i])} tokens) differs"
+    handoffs = [sum(1 for i in range(len(prompts)) if i % len(first) % 5 == g) for g in range(5)]
+    assert transfers == [(0, n) for n in handoffs]  # every request's KV pulled, none prefilled again
+    assert sum(s["kv_transfer_bytes"] for s in stats if s["role"] == "generation") > 0
     for role in ("context", "generation"):
         assert sum(s["prefix_cache_hits"] for s in stats if s["role"] == role) > 0, f"no {role} worker hit its cache"
     assert all(s["prefix_cache_queries"] >= s["prefix_cache_hits"] and "num_cached_blocks" in s for s in stats)
@@ -82,10 +86,14 @@ def test_seeded_sampling_disaggregated_equals_aggregated(ray_session, tiny_model
     ctx, gen = started(RemoteContext.remote(worker_config()), RemoteGeneration.remote(worker_config()))
 
     async def main():
-        return await asyncio.gather(*[disagg_request(ctx, gen, f"s{i}", p, params[i]) for i, p in enumerate(prompts)])
+        results = await asyncio.gather(*[disagg_request(ctx, gen, f"s{i}", p, params[i])
+                                         for i, p in enumerate(prompts)])
+        return results, await transfer_counts(gen)
 
-    for i, tokens in enumerate(asyncio.run(main())):
+    results, transfers = asyncio.run(main())
+    for i, tokens in enumerate(results):
         assert tokens == expected[f"r{i}"]
+    assert transfers == [(0, len(prompts))]
 
 
 @pytest.mark.parametrize("params", [
@@ -107,9 +115,10 @@ def test_a_held_back_token_0_hands_over_k_outputs_and_the_stream_equals_aggregat
 
     async def main():
         results = [await one(i, case[0]) for i, case in enumerate(cases)]
-        return results, await free_pages(ctx, gen)
+        return results, await transfer_counts(gen), await free_pages(ctx, gen)
 
-    results, pages = asyncio.run(main())
+    results, transfers, pages = asyncio.run(main())
+    assert transfers == [(0, len(cases))]
     for (prompt, k, tokens, logprobs), (prefilled, stream) in zip(cases, results):
         assert prefilled.first.new_token_ids == prefilled.kv.output_token_ids == tokens[:k]
         assert prefilled.kv.num_kv_tokens == len(prompt) + k - 1

@@ -15,6 +15,7 @@ from tests.actors.disagg_helpers import (
     RemoteGeneration,
     disagg_request,
     random_prompts,
+    slice_bytes,
     started,
     worker_config,
 )
@@ -38,20 +39,31 @@ def node_of(actor) -> str:
 
 
 def test_context_and_generation_on_different_nodes(two_nodes, tiny_model):
+    """The tokens equal the aggregated ones, and every request's KV crossed between the nodes: one read
+    per request, no local prefill (a fallback would give the same tokens), and exactly the bytes of
+    each request's windowed slice (the prompts share no block, so the generation side reuses none)."""
     on_context_node = RemoteContext.options(resources={"context_node": 0.5})
     on_generation_node = RemoteGeneration.options(resources={"generation_node": 0.5})
     ctx, gen = started(on_context_node.remote(worker_config()),
                        on_generation_node.remote(worker_config(max_draft_len=2)))
     assert node_of(ctx) != node_of(gen)
     prompts = random_prompts(12, seed=11)
-    expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, GREEDY)
+    reference = make_engine(tiny_model, tokens_per_block=8)
+    expected = run_to_completion(reference, prompts, GREEDY)
+
+    async def one(i, prompt):
+        handle = (await ctx.prefill.remote(f"n{i}", prompt, GREEDY)).kv
+        return handle, await disagg_request(ctx, gen, f"n{i}", prompt, GREEDY, handle=handle)
 
     async def main():
-        return await asyncio.gather(*[disagg_request(ctx, gen, f"n{i}", p, GREEDY) for i, p in enumerate(prompts)])
+        return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
 
     results = asyncio.run(main())
-    for i, tokens in enumerate(results):
+    for i, (_, tokens) in enumerate(results):
         assert tokens == expected[f"r{i}"], f"request {i} differs across nodes"
+    stats = ray.get(gen.stats.remote())
+    assert (stats["num_transfer_fallbacks"], stats["kv_transfers"]) == (0, len(prompts))
+    assert stats["kv_transfer_bytes"] == sum(slice_bytes(reference.manager, h.num_kv_tokens) for h, _ in results) > 0
     for worker in (ctx, gen):
         stats = ray.get(worker.stats.remote())
         assert stats["num_free_pages"] == stats["num_total_pages"]

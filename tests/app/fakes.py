@@ -31,7 +31,8 @@ WORKER_STATS = {
         {"name": "ctx-0", "role": "context", "pages_in_use": 3, "num_free_pages": 61,
          "kv_transfer_bytes": 4096, "kv_transfer_seconds": 0.5},
         {"name": "gen-0", "role": "generation", "pages_in_use": 12, "num_free_pages": 52,
-         "num_drafts_proposed": 40, "num_drafts_accepted": 25, "num_transfer_fallbacks": 2},
+         "num_drafts_proposed": 40, "num_drafts_accepted": 25, "num_transfer_fallbacks": 2,
+         "kv_transfers": 7},
     ]
 }
 

@@ -280,6 +280,7 @@ def test_metrics_exposition(make_server):
     assert samples[("windserve_kv_transfer_bytes_total", ctx)] == 4096
     assert samples[("windserve_spec_draft_tokens_accepted_total", gen)] == 25
     assert samples[("windserve_kv_transfer_fallbacks_total", gen)] == 2
+    assert samples[("windserve_kv_transfers_total", gen)] == 7
     assert ("windserve_kv_transfer_bytes_total", gen) not in samples
 
 

@@ -243,8 +243,31 @@ def test_metrics_show_pages_of_every_worker(disagg_url):
     assert httpx.get(f"{disagg_url}/health", timeout=10).status_code == 200
 
 
-def test_disaggregated_equals_aggregated(client, agg_client, agg_url):
-    assert wait_until(lambda: in_flight(agg_url) == 0, timeout_s=20)
+def handoff_counters(url: str) -> tuple[float, float, float, float]:
+    """(KV pulls, KV bytes, transfer fallbacks, context fallbacks) of the app, summed over its workers."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    names = ("windserve_kv_transfers_total", "windserve_kv_transfer_bytes_total",
+             "windserve_kv_transfer_fallbacks_total", "windserve_context_fallbacks_total")
+    samples = [(s.name, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+    return tuple(sum(value for name, value in samples if name == wanted) for wanted in names)
+
+
+def settled_handoff_counters(url: str) -> tuple[float, float, float, float]:
+    """``handoff_counters`` once the workers' stats reports (every second) have caught up."""
+    latest = handoff_counters(url)
+    for _ in range(10):
+        time.sleep(1.5)
+        previous, latest = latest, handoff_counters(url)
+        if latest == previous:
+            break
+    return latest
+
+
+def test_disaggregated_equals_aggregated(client, agg_client, agg_url, disagg_url):
+    """Token for token, and every disaggregated request's KV was pulled (one pull each, bytes moved):
+    a generation worker that prefilled locally instead would give the same text."""
+    assert wait_until(lambda: in_flight(agg_url) == 0 and in_flight(disagg_url) == 0, timeout_s=20)
+    before = settled_handoff_counters(disagg_url)
     for prompt in PROMPTS:
         disagg = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY)
         agg = agg_client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY)
@@ -252,6 +275,8 @@ def test_disaggregated_equals_aggregated(client, agg_client, agg_url):
     disagg = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
     agg = agg_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
     assert disagg.choices[0].message.content == agg.choices[0].message.content
+    num_pulls, num_bytes, *fallbacks = (a - b for a, b in zip(settled_handoff_counters(disagg_url), before))
+    assert (num_pulls, fallbacks) == (len(PROMPTS) + 1, [0, 0]) and num_bytes > 0
 
 
 def prefix_cache_tokens(url: str) -> dict[str, tuple[float, float]]:

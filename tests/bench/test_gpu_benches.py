@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from bench import engine_cuda, step_profile
+from bench.gpu_workload import SHAPES, TINY, WORKLOADS, nano_vllm_requests
 
 
 def test_engine_cuda_dry_run_measures_both_dtypes_and_float32_outputs_match(tmp_path):
@@ -16,6 +17,13 @@ def test_engine_cuda_dry_run_measures_both_dtypes_and_float32_outputs_match(tmp_
     assert all(r["outputs_equal"] == "8/8" for r in rows if r["dtype"] == "float32")  # greedy, same weights
     assert all(r["ours_tok_s"] > 0 and r["hf_tok_s"] > 0 for r in rows)
     assert json.loads((tmp_path / "engine_cuda.json").read_text())["device"] == "cpu"
+    # the real shapes (shrunk): nano-vllm's workload served to every sequence's max_tokens, decode steps timed
+    requests = nano_vllm_requests(**WORKLOADS["tiny"], vocab=TINY["vocab_size"])
+    assert [r["model"] for r in figures["shapes"]] == list(SHAPES)
+    for row in figures["shapes"]:
+        assert row["sequences"] == len(requests)
+        assert row["output_tokens"] == sum(params.max_tokens for _, params in requests)
+        assert row["output_tok_s"] > 0 and row["decode_step_ms_batch_1"] > 0 and row["decode_step_ms_batch_2"] > 0
 
 
 def test_step_profile_reports_decode_steps_and_where_they_go(tmp_path):

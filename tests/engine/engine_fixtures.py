@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -44,10 +45,25 @@ def run_to_completion(engine: LLMEngine, prompts: list[list[int]], params: Sampl
 
 
 def built_kernel(accessor):
-    """A native kernel (``engine.native``'s accessor called), or the test skipped; in CI a failed build fails."""
+    """A native kernel (``engine.native``'s accessor called), or the test skipped, only where no build can
+    happen: ``WINDSERVE_NATIVE=0`` (the documented opt-out) or no C++ compiler / ninja on this machine.
+    Where both exist the build must have succeeded: a broken build fails here instead of hiding as skips."""
     built = accessor()
-    if built is None:
-        if os.environ.get("CI"):
-            pytest.fail("the native kernels did not build in CI (a C++ compiler and ninja are expected)")
-        pytest.skip("the native kernels did not build on this machine")
-    return built
+    if built is not None:
+        return built
+    if os.environ.get("WINDSERVE_NATIVE", "1") == "0":
+        pytest.skip("the native kernels are turned off (WINDSERVE_NATIVE=0)")
+    missing = native_toolchain_missing()
+    if missing:
+        pytest.skip(f"the native kernels cannot build on this machine: no {missing}")
+    pytest.fail("the native kernels did not build although a C++ compiler and ninja exist (see the warning "
+                "engine.native logged)")
+
+
+def native_toolchain_missing() -> str:
+    """What torch's extension builder lacks here ("" if nothing): its C++ compiler ($CXX or c++), ninja."""
+    from torch.utils import cpp_extension
+
+    if shutil.which(cpp_extension.get_cxx_compiler()) is None:
+        return f"C++ compiler ({cpp_extension.get_cxx_compiler()})"
+    return "" if cpp_extension.is_ninja_available() else "ninja"

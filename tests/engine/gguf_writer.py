@@ -57,8 +57,11 @@ def llama_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(path: str, arch: str, config, state_dict: dict[str, torch.Tensor], name: str | None = None) -> None:
-    """``state_dict`` (HF names, float32) as a GGUF file of architecture ``arch`` (``llama`` or ``qwen2``)."""
+def write_gguf(path: str, arch: str, config, state_dict: dict[str, torch.Tensor], name: str | None = None,
+               qtype=None) -> None:
+    """``state_dict`` (HF names, float32) as a GGUF file of architecture ``arch`` (``llama`` or ``qwen2``);
+    with ``qtype`` (a ``gguf.GGMLQuantizationType``) its matrices are stored in that format (norms and
+    biases stay float32, as llama.cpp's quantizer leaves them)."""
     import gguf
 
     writer = gguf.GGUFWriter(path, arch)
@@ -70,8 +73,12 @@ def write_gguf(path: str, arch: str, config, state_dict: dict[str, torch.Tensor]
     for hf_name, tensor in sorted(state_dict.items()):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        writer.add_tensor(name_map.get_name(hf_name, try_suffixes=(".weight", ".bias")),
-                          _llama_layout(arch, hf_name, tensor, config).numpy().astype(np.float32))
+        data = _llama_layout(arch, hf_name, tensor, config).numpy().astype(np.float32)
+        gguf_name = name_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if qtype is not None and data.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

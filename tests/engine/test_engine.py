@@ -32,10 +32,13 @@ def test_batched_equals_alone_with_chunked_prefill(tiny_model):
 
 @pytest.mark.parametrize("draft_len", [1, 2, 3, 4])
 def test_speculative_greedy_output_is_identical(tiny_model, draft_len):
+    """With the adaptive policy as served; half the prompts repeat a unit, so drafts are proposed and
+    some accepted: identical output is then speculation's doing, not speculation switched off."""
     prompts = mixed_prompts(6, seed=1)
     base = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, GREEDY)
     engine = make_engine(tiny_model, tokens_per_block=8, max_draft_len=draft_len)
     assert run_to_completion(engine, prompts, GREEDY) == base
+    assert engine.num_drafts_proposed > 0 and 0 < engine.num_drafts_accepted <= engine.num_drafts_proposed
 
 
 @pytest.mark.parametrize("draft_len", [1, 2, 3])

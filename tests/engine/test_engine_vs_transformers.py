@@ -37,3 +37,5 @@ def test_greedy_tokens_match_transformers(tiny_model, reference, tokens_per_bloc
     got = run_to_completion(engine, prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     for i, want in enumerate(expected):
         assert got[f"r{i}"] == want, f"prompt of {len(prompts[i])} tokens diverges"
+    if draft_len:  # the tokens match with drafts verified, some accepted, not with drafting silently off
+        assert engine.num_drafts_proposed > 0 and 0 < engine.num_drafts_accepted <= engine.num_drafts_proposed

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from engine.models import layers
 from engine.models.layers import RMSNorm, apply_rope
 from engine.native import rotate_half_kernel
+from tests.engine.engine_fixtures import built_kernel
 
 
 def _formula(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float32: bool) -> torch.Tensor:
@@ -68,10 +69,8 @@ def test_float32_rope_is_the_formula_bit_for_bit(rows, heads, half, extra_heads,
 
 
 def test_rope_takes_the_native_kernel_for_float32_cpu_rows(monkeypatch):
-    if rotate_half_kernel() is None:
-        pytest.skip("the native kernels did not build on this machine")
     calls = []
-    kernel = rotate_half_kernel()
+    kernel = built_kernel(rotate_half_kernel)
     monkeypatch.setattr(layers, "rotate_half_kernel", lambda: lambda *a: calls.append(1) or kernel(*a))
     x, cos, sin = torch.randn(3, 2, 8), torch.randn(3, 4), torch.randn(3, 4)
     apply_rope(x, cos, sin)

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.gpu import default_num_splits
 from engine.gpu.reference import reference_decode_attention, reference_write_kv
 from tests.engine.gpu.decode_cases import LAYERS, expected_after_write, expected_output, make_case, write_case
 
@@ -53,3 +54,15 @@ def test_reference_write_of_only_padded_rows_changes_nothing():
     before = cache.clone()
     reference_write_kv(cache, 0, torch.full((3,), -1), key, value)
     assert torch.equal(cache, before)
+
+
+@settings(max_examples=50, deadline=None)
+@given(num_tokens=st.integers(1, 512), num_kv=st.sampled_from([1, 2, 8]), context=st.integers(1, 1 << 17),
+       num_sms=st.sampled_from([78, 132]))
+def test_splits_only_fill_an_idle_gpu_with_long_ranges(num_tokens, num_kv, context, num_sms):
+    splits = default_num_splits(num_tokens, num_kv, context, num_sms)
+    assert 1 <= splits <= 32
+    if num_tokens * num_kv >= num_sms or context < 1024:
+        assert splits == 1  # the grid already fills the GPU, or too few keys to share
+    assert splits == 1 or context // splits >= 512  # each split keeps enough keys to pay for its partial write
+    assert splits == 1 or num_tokens * num_kv * (splits - 1) < 2 * num_sms  # no more programs than ~2 waves

@@ -1,0 +1,171 @@
+"""GGUF weights kept in their quantized blocks (Q8_0, Q4_0, Q4_1) on the CPU, for float32 activations.
+
+A decode step streams every weight once; in Q4_1 that is 5 bits a weight instead of float32's 32.
+``QuantizedWeight`` stands where a float32 weight tensor stands in ``engine.models.packed.linear``::
+
+    rows of x   path                                                        (engine/native)
+    <= 8        each block widened to float32 in registers, dotted with x   quant_linear (quant_gemv.cpp)
+    > 8         tiles of ~256 K weights dequantized, then torch's GEMM      quant_matmul (quant.cpp)
+
+Activations are never quantized: the result equals the dequantized float32 model's up to float32
+rounding, and a row's result does not depend on the other rows of its batch (up to 8 rows).
+
+``quantize_gguf_weights`` swaps a loaded model's ``nn.Linear`` / ``nn.Embedding`` modules for
+``QuantizedLinear`` / ``QuantizedEmbedding`` holding the file's blocks, where the file stores that
+tensor in one of those formats (everything else, norms included, stays as loaded). GGUF's llama
+architecture stores q/k rows interleaved per head (engine.gguf's writer notes why); quantization runs
+along a row, so those rows are put back in Hugging Face's order whole, blocks untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.loader import ModelLoadError
+from engine.models.hugepages import huge_page_copy
+from engine.native import quant_linear_kernel, quant_matmul_kernel, quant_rows_kernel
+
+logger = logging.getLogger(__name__)
+
+KIND_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml's type ids, as GGUF files store them
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+BLOCK_SIZE = 32
+# Weights dequantized per tile of a prefill's GEMM (1 MiB of float32; SmolLM2's [1536, 576] matmul of
+# 400 rows measured 9-10 ms at tiles of 128-1536 rows, the float32 weight's own GEMM 9.4 ms).
+PREFILL_TILE_WEIGHTS = 1 << 18
+NUM_CHECKED_ROWS = 3  # rows of each tensor compared with the dequantized weights at load
+
+
+def kernels_available() -> bool:
+    return quant_linear_kernel() is not None
+
+
+class QuantizedWeight:
+    """A weight [out, in] as GGUF blocks: ``blocks`` uint8 [out, in / 32 * block bytes], ``kind`` ggml's id."""
+
+    dtype = torch.float32  # what its matmuls produce (the model's compute dtype)
+    device = torch.device("cpu")
+
+    def __init__(self, blocks: torch.Tensor, kind: int) -> None:
+        if kind not in BLOCK_BYTES or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
+                or blocks.shape[1] % BLOCK_BYTES[kind]:
+            raise ValueError(f"not {KIND_NAMES.get(kind, kind)} blocks: {blocks.dtype} {tuple(blocks.shape)}")
+        self.blocks, self.kind = blocks, kind
+        self.shape = torch.Size((blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind] * BLOCK_SIZE))
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None, is_few_rows: bool) -> torch.Tensor:
+        """``x @ W.T + bias`` for float32 x [N, in]: the few-row kernel when ``is_few_rows``."""
+        if is_few_rows:
+            return quant_linear_kernel()(x.contiguous(), self.blocks, self.kind, bias)
+        tile = max(1, PREFILL_TILE_WEIGHTS // self.shape[1])
+        return quant_matmul_kernel()(x, self.blocks, self.kind, bias, tile)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (int64 [n]) dequantized: float32 [n, in]."""
+        return quant_rows_kernel()(self.blocks, self.kind, index.contiguous())
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.shape[0]))
+
+    def split(self, sizes: list[int]) -> list[QuantizedWeight]:
+        """Views of consecutive row ranges (no copy)."""
+        return [QuantizedWeight(part, self.kind) for part in self.blocks.split(sizes)]
+
+    @staticmethod
+    def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
+        return QuantizedWeight(huge_page_copy(torch.cat([w.blocks for w in weights])), weights[0].kind)
+
+
+class QuantizedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight stays in GGUF blocks (its bias, if any, stays a float32 parameter)."""
+
+    def __init__(self, linear_module: nn.Linear, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear_module.in_features, linear_module.out_features
+        self.weight = weight
+        self.bias = linear_module.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.models.packed import linear  # packed imports this module
+
+        rows = x.reshape(-1, x.shape[-1])
+        return linear(rows, self.weight, self.bias, None).view(*x.shape[:-1], self.out_features)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose table stays in GGUF blocks; looked-up rows are dequantized."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids.reshape(-1).long()).view(*ids.shape, self.embedding_dim)
+
+
+def hf_row_order(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows of each head from llama.cpp's interleaved pairs back to Hugging Face's halves::
+
+        file rows of a head:  r0 of half 0, r0 of half 1, r1 of half 0, r1 of half 1, ...
+        HF rows of a head:    half 0 (r0, r1, ...), then half 1 (r0, r1, ...)
+    """
+    rows = blocks.shape[0]
+    return blocks.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(blocks.shape)
+
+
+def quantize_gguf_weights(model: nn.Module, gguf_path: str) -> int:
+    """Swap ``model``'s linears and embedding for quantized ones holding ``gguf_path``'s blocks, where the
+    file stores the weight as Q8_0, Q4_0 or Q4_1; the number swapped. ``model`` holds the same weights
+    dequantized (loaded from engine.gguf's converted folder): a few rows of each are compared, so a file
+    that does not match the model fails here instead of generating garbage."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    architecture = str(reader.fields["general.architecture"].contents())
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.num_hidden_layers)
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    num_swapped = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) not in (nn.Linear, nn.Embedding):
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            tensor = tensors.get(names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or "")
+            if tensor is None or int(tensor.tensor_type) not in BLOCK_BYTES:
+                continue
+            weight = _weight_of(tensor, name, architecture, config)
+            _check_matches(weight, child.weight, name, gguf_path)
+            swapped = QuantizedEmbedding(weight) if type(child) is nn.Embedding else QuantizedLinear(child, weight)
+            setattr(parent, child_name, swapped)
+            num_swapped += 1
+    logger.info("%s: %d weights kept quantized", gguf_path, num_swapped)
+    return num_swapped
+
+
+def _weight_of(tensor, name: str, architecture: str, config) -> QuantizedWeight:
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # a copy: the file is mapped read-only
+    blocks = blocks.reshape(int(tensor.shape[-1]), -1)  # GGUF's shape is [in, out], a row per output
+    if architecture == "llama" and name.endswith((".q_proj", ".k_proj")):
+        heads = config.num_attention_heads if name.endswith(".q_proj") else config.num_key_value_heads
+        blocks = hf_row_order(blocks, heads)
+    return QuantizedWeight(huge_page_copy(blocks), int(tensor.tensor_type))
+
+
+def _check_matches(weight: QuantizedWeight, dense: torch.Tensor, name: str, path: str) -> None:
+    if weight.shape != dense.shape:
+        raise ModelLoadError(f"{path!r}: {name} is {tuple(weight.shape)} in the file, {tuple(dense.shape)} in the "
+                             "model")
+    rows = torch.linspace(0, dense.shape[0] - 1, NUM_CHECKED_ROWS).long().unique()
+    if not torch.equal(weight.rows(rows), dense.detach().float().index_select(0, rows)):
+        raise ModelLoadError(f"{path!r}: {name}'s {KIND_NAMES[weight.kind]} blocks do not dequantize to the "
+                             "converted weights")

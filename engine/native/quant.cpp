@@ -1,0 +1,157 @@
+// Matmuls on GGUF weights kept in their quantized blocks (llama.cpp's Q8_0, Q4_0, Q4_1), with float32
+// activations: a decode step reads 4.5-8.5 bits per weight instead of 32.
+//
+// Block layouts: quant_blocks.h.
+//
+// Each weight is rounded as the gguf package's dequantize rounds it (product, then sum, in float32), so
+// the dequantized values equal the float32 weights the GGUF converter wrote bit for bit.
+//
+// Few rows: quant_gemv.cpp.
+//
+// Many rows (``quant_matmul``, a prefill): tiles of output rows are dequantized into a float32 buffer
+// and multiplied by torch's GEMM, one tile at a time.
+#include <ATen/Parallel.h>
+
+#include "kernels.h"
+#include "quant_blocks.h"
+
+namespace {
+
+using windserve::half_at;
+using windserve::kBlock;
+using windserve::kQ4_0;
+using windserve::kQ4_1;
+using windserve::kQ8_0;
+
+#if defined(__AVX2__) && defined(__F16C__)
+// One block's 32 weights, 8 at a time: bytes widened to int32, converted, scaled (d), shifted (m).
+template <int64_t K>
+void dequantize_block(const uint8_t* block, float* w) {
+  const __m256 d = _mm256_set1_ps(half_at(block));
+  if constexpr (K == kQ8_0) {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+    const __m128i parts[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
+    for (int p = 0; p < 4; ++p) {
+      _mm256_storeu_ps(w + 8 * p, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[p])), d));
+    }
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (K == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    if constexpr (K == kQ4_0) {
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    const __m256 m = _mm256_set1_ps(K == kQ4_1 ? half_at(block + 2) : 0.0f);
+    for (int p = 0; p < 4; ++p) {
+      // Q4_0's values are signed (-8..7), Q4_1's unsigned (0..15): both fit int8
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[p]));
+      const __m256 v = _mm256_mul_ps(d, q);
+      _mm256_storeu_ps(w + 8 * p, K == kQ4_1 ? _mm256_add_ps(v, m) : v);
+    }
+  }
+}
+#else
+template <int64_t K>
+void dequantize_block(const uint8_t* block, float* w) {
+  const float d = half_at(block);
+  if constexpr (K == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+    for (int j = 0; j < kBlock; ++j) w[j] = static_cast<float>(q[j]) * d;
+  } else if constexpr (K == kQ4_0) {
+    const uint8_t* qs = block + 2;
+    for (int j = 0; j < kBlock / 2; ++j) w[j] = static_cast<float>((qs[j] & 15) - 8) * d;
+    for (int j = 0; j < kBlock / 2; ++j) w[j + 16] = static_cast<float>((qs[j] >> 4) - 8) * d;
+  } else {
+    const float m = half_at(block + 2);
+    const uint8_t* qs = block + 4;
+    for (int j = 0; j < kBlock / 2; ++j) w[j] = d * static_cast<float>(qs[j] & 15) + m;
+    for (int j = 0; j < kBlock / 2; ++j) w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+  }
+}
+#endif
+
+template <int64_t K>
+void dequantize_row_of(const uint8_t* row, int64_t in, float* w) {
+  for (int64_t b = 0; b < in / kBlock; ++b) dequantize_block<K>(row + b * windserve::kBlockBytes<K>, w + b * kBlock);
+}
+
+void dequantize_row(int64_t kind, const uint8_t* row, int64_t in, float* w) {
+  switch (kind) {
+    case kQ8_0: dequantize_row_of<kQ8_0>(row, in, w); break;
+    case kQ4_0: dequantize_row_of<kQ4_0>(row, in, w); break;
+    default: dequantize_row_of<kQ4_1>(row, in, w); break;
+  }
+}
+
+}  // namespace
+
+namespace windserve {
+
+// The weight's in-features, checked against its blocks [out, in / 32 * block_bytes].
+int64_t check_quant_blocks(const at::Tensor& blocks, int64_t kind, const char* name) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.device().is_cpu() && blocks.dim() == 2 &&
+                  blocks.is_contiguous(),
+              name, ": blocks must be a contiguous uint8 CPU tensor [out, row bytes]");
+  const int64_t bytes = block_bytes(kind);
+  TORCH_CHECK(blocks.size(1) % bytes == 0, name, ": a row of ", blocks.size(1), " bytes is not whole blocks of ",
+              bytes);
+  return blocks.size(1) / bytes * kBlock;
+}
+
+const float* optional_bias(const c10::optional<at::Tensor>& bias, int64_t out, const char* name) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out, name,
+              ": a contiguous float32 bias [out]");
+  return bias->data_ptr<float>();
+}
+
+}  // namespace windserve
+
+at::Tensor quant_rows(const at::Tensor& blocks, int64_t kind, const at::Tensor& index) {
+  const int64_t in = windserve::check_quant_blocks(blocks, kind, "quant_rows");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.device().is_cpu() && index.dim() == 1 &&
+                  index.is_contiguous(),
+              "quant_rows: a contiguous int64 CPU index [n]");
+  const int64_t n = index.size(0), out = blocks.size(0), row_bytes = blocks.size(1);
+  const int64_t* rows = index.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(rows[r] >= 0 && rows[r] < out, "quant_rows: index ", rows[r], " out of range for ", out, " rows");
+  }
+  at::Tensor w = at::empty({n, in}, blocks.options().dtype(at::kFloat));
+  const uint8_t* data = blocks.data_ptr<uint8_t>();
+  float* ws = w.data_ptr<float>();
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / in), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) dequantize_row(kind, data + rows[r] * row_bytes, in, ws + r * in);
+  });
+  return w;
+}
+
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                        const c10::optional<at::Tensor>& bias, int64_t tile_rows) {
+  const int64_t in = windserve::check_quant_blocks(blocks, kind, "quant_matmul");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.size(1) == in,
+              "quant_matmul: a float32 CPU x [N, in] with in = ", in);
+  TORCH_CHECK(tile_rows >= 1, "quant_matmul: tile_rows must be at least 1");
+  const int64_t out = blocks.size(0), row_bytes = blocks.size(1);
+  windserve::optional_bias(bias, out, "quant_matmul");
+  at::Tensor y = at::empty({x.size(0), out}, x.options());
+  at::Tensor tile = at::empty({std::min(tile_rows, out), in}, x.options());
+  const uint8_t* data = blocks.data_ptr<uint8_t>();
+  for (int64_t first = 0; first < out; first += tile_rows) {
+    const int64_t n = std::min(tile_rows, out - first);
+    float* ws = tile.data_ptr<float>();
+    at::parallel_for(first, first + n, std::max<int64_t>(1, 16384 / in), [&](int64_t lo, int64_t hi) {
+      for (int64_t o = lo; o < hi; ++o) dequantize_row(kind, data + o * row_bytes, in, ws + (o - first) * in);
+    });
+    at::Tensor part = y.narrow(1, first, n);
+    if (bias.has_value() && bias->defined()) {
+      part.copy_(at::addmm(bias->narrow(0, first, n), x, tile.narrow(0, 0, n).t()));
+    } else {
+      part.copy_(at::mm(x, tile.narrow(0, 0, n).t()));
+    }
+  }
+  return y;
+}

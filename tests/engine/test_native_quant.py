@@ -1,0 +1,137 @@
+"""The native kernels on GGUF quantized blocks (engine/native/quant.cpp, quant_gemv.cpp) against the gguf
+package's own quantizer and dequantizer: rows dequantize to its float32 values bit for bit; the few-row and
+the tiled matmuls equal the float64 product of those values within float32 rounding; a row's result does
+not depend on the rest of its batch; NaN and Inf in the activations land where the reference puts them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.models import packed
+from engine.models.quantized import QuantizedWeight
+from engine.native import quant_linear_kernel, quant_matmul_kernel, quant_rows_kernel
+from tests.engine.engine_fixtures import built_kernel
+
+KINDS = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return built_kernel(quant_linear_kernel), built_kernel(quant_matmul_kernel), built_kernel(quant_rows_kernel)
+
+
+def quantized(out_features: int, in_features: int, kind, gen: torch.Generator):
+    """(blocks uint8 [out, bytes], their float32 dequantization [out, in]) by the gguf package."""
+    dense = torch.randn(out_features, in_features, generator=gen).numpy()
+    blocks = quants.quantize(dense, kind)
+    return torch.from_numpy(blocks.copy()), torch.from_numpy(quants.dequantize(blocks, kind).copy())
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ weight.double().T
+    return y if bias is None else y + bias.double()
+
+
+shapes = dict(rows=st.integers(1, 11), out_features=st.integers(1, 200), in_blocks=st.integers(1, 12),
+              kind=st.sampled_from(KINDS), bias=st.booleans(), seed=st.integers(0, 10_000))
+
+
+@settings(max_examples=60, deadline=None)
+@given(**shapes)
+def test_few_rows_equal_the_dequantized_product_whatever_else_is_in_the_batch(kernels, rows, out_features,
+                                                                             in_blocks, kind, bias, seed):
+    """quant_linear within float32 rounding of the float64 product of gguf's dequantized weights; each row
+    bit-identical to that row computed alone (groups of three rows, tiles of weight rows included)."""
+    linear, _, _ = kernels
+    gen = torch.Generator().manual_seed(seed)
+    blocks, weight = quantized(out_features, 32 * in_blocks, kind, gen)
+    x = torch.randn(rows, 32 * in_blocks, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    y = linear(x, blocks, int(kind), b)
+    torch.testing.assert_close(y.double(), reference(x, weight, b), rtol=1e-5, atol=2e-6 * 32 * in_blocks)
+    for row in range(rows):
+        assert torch.equal(linear(x[row:row + 1], blocks, int(kind), b)[0], y[row])
+
+
+@settings(max_examples=30, deadline=None)
+@given(**shapes, tile_rows=st.integers(1, 64))
+def test_tiled_matmul_and_rows_equal_the_dequantized_weights(kernels, rows, out_features, in_blocks, kind, bias,
+                                                            seed, tile_rows):
+    _, matmul, dequantize = kernels
+    gen = torch.Generator().manual_seed(seed)
+    blocks, weight = quantized(out_features, 32 * in_blocks, kind, gen)
+    index = torch.randint(0, out_features, (rows,), generator=gen)
+    assert torch.equal(dequantize(blocks, int(kind), index), weight[index])
+    x = torch.randn(rows, 32 * in_blocks, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    y = matmul(x, blocks, int(kind), b, tile_rows)
+    torch.testing.assert_close(y.double(), reference(x, weight, b), rtol=1e-5, atol=2e-6 * 32 * in_blocks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(KINDS), rows=st.integers(1, 8), in_blocks=st.integers(1, 4), seed=st.integers(0, 999),
+       value=st.sampled_from([float("nan"), float("inf"), float("-inf")]))
+def test_nan_and_inf_in_activations_stay_in_their_row(kernels, kind, rows, in_blocks, seed, value):
+    """One non-finite activation makes its row's outputs non-finite exactly where the float64 reference's are
+    (NaN where the reference is NaN; Q4_1's offset, applied through the block's sum of activations, may turn a
+    reference's +-Inf into NaN); the other rows stay finite and correct."""
+    linear, matmul, _ = kernels
+    gen = torch.Generator().manual_seed(seed)
+    blocks, weight = quantized(40, 32 * in_blocks, kind, gen)
+    x = torch.randn(rows, 32 * in_blocks, generator=gen)
+    bad_row, bad_col = seed % rows, seed % (32 * in_blocks)
+    x[bad_row, bad_col] = value
+    want = reference(x, weight, None)
+    for y in (linear(x, blocks, int(kind), None), matmul(x, blocks, int(kind), None, 16)):
+        assert torch.equal(y.isfinite(), want.isfinite())
+        assert y[want.isnan()].isnan().all()
+        if kind != GGMLQuantizationType.Q4_1:
+            torch.testing.assert_close(y[bad_row].double(), want[bad_row], equal_nan=True)
+        good = torch.arange(rows) != bad_row
+        torch.testing.assert_close(y[good].double(), want[good], rtol=1e-5, atol=1e-4)
+
+
+def test_bad_inputs_are_refused(kernels):
+    linear, matmul, dequantize = kernels
+    blocks = torch.zeros(4, 40, dtype=torch.uint8)  # two Q4_1 blocks a row: in = 64
+    with pytest.raises(RuntimeError, match="in = 64"):
+        linear(torch.ones(2, 32), blocks, 3, None)
+    with pytest.raises(RuntimeError, match="unsupported kind 12"):
+        linear(torch.ones(2, 64), blocks, 12, None)
+    with pytest.raises(RuntimeError, match="not whole blocks of 34"):
+        linear(torch.ones(2, 64), blocks, 8, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        matmul(torch.ones(2, 64), blocks, 3, torch.ones(5), 2)
+    with pytest.raises(RuntimeError, match="out of range"):
+        dequantize(blocks, 3, torch.tensor([4]))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+def test_linear_sends_a_quantized_weight_to_its_kernels(kernels, rows):
+    """packed.linear: up to NATIVE_MAX_ROWS rows to quant_linear, more to the tiled GEMM; the same values."""
+    blocks, weight = quantized(300, 96, GGMLQuantizationType.Q4_1, torch.Generator().manual_seed(rows))
+    x, bias = torch.randn(rows, 96), torch.randn(300)
+    y = packed.linear(x, QuantizedWeight(blocks, int(GGMLQuantizationType.Q4_1)), bias, None)
+    few = kernels[0](x, blocks, 3, bias)
+    assert torch.equal(y, few) == (rows <= packed.NATIVE_MAX_ROWS)
+    torch.testing.assert_close(y, few, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y.double(), reference(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_quantized_weight_rows_split_and_cat(kernels):
+    blocks, weight = quantized(70, 64, GGMLQuantizationType.Q8_0, torch.Generator().manual_seed(1))
+    qw = QuantizedWeight(blocks, int(GGMLQuantizationType.Q8_0))
+    assert qw.shape == (70, 64) and torch.equal(qw.dequantize(), weight)
+    parts = qw.split([30, 10, 30])
+    assert [tuple(p.shape) for p in parts] == [(30, 64), (10, 64), (30, 64)]
+    assert torch.equal(parts[1].dequantize(), weight[30:40])
+    assert torch.equal(QuantizedWeight.cat(parts[::-1]).dequantize(), torch.cat([weight[40:], weight[30:40],
+                                                                                 weight[:30]]))
+    with pytest.raises(ValueError, match="not Q4_0 blocks"):
+        QuantizedWeight(blocks, int(GGMLQuantizationType.Q4_0))
+    assert np.isclose(qw.nbytes / weight.numel(), 34 / 32)
