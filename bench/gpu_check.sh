@@ -20,6 +20,9 @@
 #   gpu_tests     pytest -m gpu: tests/engine/test_cuda.py (models and engine vs transformers on cuda,
 #                 float32 and bf16; disaggregated == aggregated in bf16)
 #   greedy        our engine on cuda (drafts 0 and 3) vs transformers generate on cuda: same greedy tokens
+#                 (decode steps replayed as CUDA graphs: the engine's default on cuda)
+#   graph         pytest -m gpu tests/engine/test_cuda_graphs.py (graph == eager tokens, == transformers, float32;
+#                 replayed logits == the plan-based step's), then decode-step times graph vs eager at batch 1 and 64
 #   disagg        ContextWorker + GenerationWorker as Ray actors, EngineConfig(device="cuda"), NIXL with
 #                 VRAM registration; tokens == an AggregatedWorker on cuda (float32 and bf16); KV bytes moved > 0
 #   bench_*       python -m bench.transfer --quick --device cuda, python -m bench.engine_cuda --no-shapes
@@ -266,6 +269,63 @@ finally:
 EOF
 }
 
+write_graph_check() {
+  cat > "$WORK/graph_timing.py" <<'EOF'
+"""Decode-step time on DEVICE with CUDA graphs and without (enforce_eager), windserve-tiny, batch 1 and 64."""
+import os
+import statistics
+import time
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.tiny import ensure_tiny_model
+
+torch.backends.cuda.matmul.allow_tf32 = False
+DEVICE = os.environ["DEVICE"]
+path = ensure_tiny_model()
+generator = torch.Generator().manual_seed(5)
+params = SamplingParams(max_tokens=48, ignore_eos=True)
+
+
+def decode_step_ms(llm: LLM, batch: int) -> float:
+    """Median wall time of the steps that ran the static path (decode steps only)."""
+    engine, static = llm.engine, llm.engine.runner.static
+    for i in range(batch):
+        engine.add_request(f"t{batch}-{i}", torch.randint(0, 256, (32,), generator=generator).tolist(), params)
+    times = []
+    while engine.has_unfinished():
+        before, start = static.num_steps, time.perf_counter()
+        engine.step()
+        if static.num_steps > before:
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+for dtype in ("float32", "bfloat16"):
+    results = {}
+    for eager in (True, False):
+        llm = LLM(path, device=DEVICE, dtype=dtype, tokens_per_block=16, max_num_seqs=64, enforce_eager=eager,
+                  use_static_buffers=True)
+        graphs = llm.engine.runner.static.graphs
+        if graphs is not None:
+            print(f"dtype={dtype} captured {graphs.stats['num_graphs']} graphs in {graphs.stats['capture_s']:.2f} s, "
+                  f"{graphs.stats['memory_bytes'] / 2**20:.1f} MiB")
+        decode_step_ms(llm, 4)  # warm up
+        for batch in (1, 64):
+            results[eager, batch] = decode_step_ms(llm, batch)
+    for batch in (1, 64):
+        eager_ms, graph_ms = results[True, batch], results[False, batch]
+        print(f"graph_timing dtype={dtype} batch={batch} eager_ms={eager_ms:.3f} graph_ms={graph_ms:.3f} "
+              f"speedup={eager_ms / graph_ms:.2f}x")
+EOF
+}
+
+graph_check() {
+  "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cuda_graphs.py
+  "$PY" "$WORK/graph_timing.py"
+}
+
 bench_module() {  # bench_module NAME [ARGS...]: python -m bench.NAME ARGS, with --device cuda when it takes one
   local name=$1 extra=()
   shift
@@ -279,7 +339,7 @@ if [[ $DEVICE == cuda ]]; then
 fi
 python3 -V || { echo "no python3 on this machine" >&2; exit 1; }
 export ROOT LOG_DIR PY VENV IMPORTS_CHECK DEVICE
-export -f versions system_torch_has_cuda install bench_module
+export -f versions system_torch_has_cuda install bench_module graph_check
 if [[ $DEVICE == cuda && -z $PY ]]; then
   step install 240 yes install
   PY="$VENV/bin/python"
@@ -302,6 +362,13 @@ else
 fi
 write_greedy_check
 step greedy 150 no "$PY" "$WORK/greedy.py"
+if [[ $DEVICE == cuda ]]; then
+  write_graph_check
+  export WORK
+  step graph 240 no graph_check
+else
+  skipped graph "dry run: tests/engine/test_static_step.py runs the static path eagerly on cpu"
+fi
 write_disagg_check
 step disagg 270 no "$PY" "$WORK/disagg.py"
 for bench in "transfer --quick" "engine_cuda --no-shapes"; do  # engine_cuda's full mode: c up to 64, two models, two dtypes
@@ -320,7 +387,8 @@ if [[ $DEVICE == cuda ]]; then
 else
   skipped parity "dry run: the test suite runs these on cpu"
 fi
-grep -h -E '^(drafts=|requests=)' "$LOG_DIR"/greedy.log "$LOG_DIR"/disagg.log 2>/dev/null || true
+grep -h -E '^(drafts=|requests=|graph_timing|dtype=)' "$LOG_DIR"/greedy.log "$LOG_DIR"/graph.log \
+  "$LOG_DIR"/disagg.log 2>/dev/null || true
 print_table
 rm -rf "$WORK"
 if [[ $FAILED -ne 0 ]]; then

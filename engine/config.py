@@ -77,6 +77,9 @@ class EngineConfig:
     ``quantization`` ``"auto"`` keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 weights in their
     blocks (float32 activations on the CPU; engine.models.quantized); ``"none"``
     dequantizes every weight to ``dtype`` at load. Other models ignore it.
+    ``use_static_buffers`` runs decode and verify steps over fixed buffers with device sampling
+    (engine.gpu; None: on CUDA only, True forces it, eagerly, on the CPU too); there
+    ``enforce_eager`` (vLLM's name) turns CUDA graphs off. The CPU never captures graphs.
     """
 
     model: str = "windserve-tiny"
@@ -93,6 +96,8 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = True
     quantization: str = "auto"
+    use_static_buffers: bool | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:

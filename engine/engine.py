@@ -39,8 +39,8 @@ from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogp
 from engine.params import SamplingParams
 from engine.reports import engine_stats, routing_stats
 from engine.request import Request
-from engine.runner import ModelRunner, RunOutput
-from engine.sampler import Sampler
+from engine.runner import ModelRunner, RunOutput, static_runner_for
+from engine.sampler import Sampler, VerifyResult
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
 from engine.stopping import StopChecker
 from engine.tokenizer import IncrementalDecoder
@@ -73,7 +73,10 @@ class LLMEngine:
                                            num_extra_kv_tokens=self.num_extra_kv_tokens)
         policy = DraftLengthPolicy(self.draft_len) if drafter else None
         self.scheduler = Scheduler(self._scheduler_config(), self.manager, self._propose if drafter else None, policy)
-        self.runner = ModelRunner(self.model.module, self.manager, self.model.device)
+        static = static_runner_for(config, self.model.module, self.manager, self.model.device,
+                                   max_model_len=self.max_model_len, draft_len=self.draft_len,
+                                   num_extra_kv_tokens=self.num_extra_kv_tokens)
+        self.runner = ModelRunner(self.model.module, self.manager, self.model.device, static)
         self.sampler = Sampler()
         self._requests: dict[str, Request] = {}
         self._stoppers: dict[str, StopChecker] = {}
@@ -208,7 +211,7 @@ class LLMEngine:
         return updates
 
     def _postprocess(self, scheduled: list[ScheduledRequest], output: RunOutput) -> list[RequestUpdate]:
-        sampled = sample_batch(self.sampler, scheduled, output)
+        sampled = output.samples.sampled if output.samples else sample_batch(self.sampler, scheduled, output)
         updates: list[RequestUpdate | None] = []
         for i, (item, span) in enumerate(zip(scheduled, output.spans)):
             request = item.request
@@ -217,16 +220,19 @@ class LLMEngine:
                 self._cache_computed(request)
                 self.manager.release_stale(request.request_id, request.num_computed_tokens)
             elif item.draft_token_ids:
-                updates.append(self._advance(request, *self._verify(item, output.logits[span[0]:span[1]])))
+                verified = output.samples.verified[i] if output.samples else None
+                updates.append(self._advance(request, *self._verify(item, output.logits[span[0]:span[1]], verified)))
             else:
                 updates.append(self._advance(request, [sampled.token_ids[i]], [sampled.logprobs[i]]))
         return [update for update in updates if update is not None]
 
-    def _verify(self, item: ScheduledRequest, rows: torch.Tensor) -> tuple[list[int], list[TokenLogprob | None]]:
-        """The verified drafts plus one token."""
+    def _verify(self, item: ScheduledRequest, rows: torch.Tensor,
+                result: VerifyResult | None) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The verified drafts plus one token (``result``: verified on the device already)."""
         request = item.request
-        result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator,
-                                     reseed=lambda row: seed_for_output(request, ahead=row))
+        if result is None:
+            result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator,
+                                         reseed=lambda row: seed_for_output(request, ahead=row))
         request.num_drafts_proposed += len(item.draft_token_ids)
         request.num_drafts_accepted += result.num_accepted
         if self.scheduler.draft_policy is not None:

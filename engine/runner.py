@@ -1,4 +1,16 @@
-"""ModelRunner: turns a scheduled step into one forward pass and per-request logits."""
+"""ModelRunner: turns a scheduled step into one forward pass and per-request logits.
+
+The one seam that picks how a step runs::
+
+    decode / verify step, static runner present  -> engine.gpu.static_runner: fixed buffers, a CUDA
+                                                    graph replay (or eager on the CPU when forced),
+                                                    sampled on the device (RunOutput.samples)
+    anything else (prefill, mixed, or no static)  -> ForwardBatch + attention plan: engine.native's
+                                                    kernels on the CPU, torch ops elsewhere
+
+``static_runner_for`` decides at start whether a static runner exists: on CUDA by default
+(``EngineConfig.use_static_buffers``), with graphs unless ``enforce_eager``; never graphs on the CPU.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +18,13 @@ from typing import NamedTuple
 
 import torch
 
+from engine.config import EngineConfig
 from engine.forward import ForwardBatch, positions_of
+from engine.gpu.static_runner import StaticStepRunner, StepSamples
+from engine.gpu.step_buffers import StepShape
 from engine.native import paged_decode_kernel
 from engine.scheduler import ScheduledRequest
-from kvcache import KVCacheManager
+from kvcache import KVCacheManager, get_kv_capacity_tokens
 
 
 class RunOutput(NamedTuple):
@@ -18,6 +33,7 @@ class RunOutput(NamedTuple):
 
     logits: torch.Tensor
     spans: list[tuple[int, int] | None]
+    samples: StepSamples | None = None  # a static step's device samples (then the host samples nothing)
 
 
 class ModelRunner:
@@ -27,10 +43,12 @@ class ModelRunner:
     is what a transport moves.
     """
 
-    def __init__(self, model: torch.nn.Module, manager: KVCacheManager, device: str) -> None:
+    def __init__(self, model: torch.nn.Module, manager: KVCacheManager, device: str,
+                 static: StaticStepRunner | None = None) -> None:
         self.model = model
         self.manager = manager
         self.device = torch.device(device)
+        self.static = static
         self.num_forward_passes = 0
         if self.device.type == "cpu":
             paged_decode_kernel()  # built (or loaded from torch's cache) now, not inside the first step
@@ -38,10 +56,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest]) -> RunOutput:
         """One forward pass; the logits of every request that samples this step, in one tensor."""
-        batch, spans = self._build(scheduled)
-        logits = self.model(batch).float()
         self.num_forward_passes += 1
-        return RunOutput(logits, spans)
+        if self.static is not None and self.static.can_run(scheduled):
+            return RunOutput(*self.static.run(scheduled))
+        batch, spans = self._build(scheduled)
+        return RunOutput(self.model(batch).float(), spans)
 
     def _build(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[tuple[int, int] | None]]:
         input_ids: list[int] = []
@@ -77,3 +96,22 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=self.device),
         )
         return batch, rows
+
+
+def static_runner_for(config: EngineConfig, model: torch.nn.Module, manager: KVCacheManager, device: str, *,
+                      max_model_len: int, draft_len: int, num_extra_kv_tokens: int) -> StaticStepRunner | None:
+    """The static runner this engine's decode steps use, or None (the plan-based path for every step).
+
+    Buffers hold ``max_num_seqs`` requests of ``1 + draft_len`` tokens, and a block table as wide as
+    the largest request's capacity (``get_kv_capacity_tokens(max_model_len, ...)`` over B)."""
+    device = torch.device(device)
+    use = config.use_static_buffers if config.use_static_buffers is not None else device.type == "cuda"
+    if not use or not hasattr(model, "forward_static"):
+        return None
+    block = manager.spec.tokens_per_block
+    capacity = get_kv_capacity_tokens(max_model_len, draft_len, num_extra_kv_tokens)
+    shape = StepShape(max_num_seqs=config.max_num_seqs, max_tokens=config.max_num_seqs * (1 + draft_len),
+                      table_width=-(-capacity // block), tokens_per_block=block,
+                      windows={group.name: group.window for group in manager.spec.groups})
+    use_graphs = device.type == "cuda" and not config.enforce_eager
+    return StaticStepRunner(model, manager, shape, max_model_len + draft_len, device, use_graphs)

@@ -17,6 +17,7 @@ from torch import nn
 from engine.attention import paged_attention
 from engine.attention_plan import GroupAttention, build_group_attention
 from engine.forward import ForwardBatch
+from engine.gpu.paged_attention import paged_decode_attention, write_kv
 from engine.layout import LayerSlot, head_dim, layer_slots, num_kv_heads
 from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from engine.models.packed import can_pack, gemv_layout, linear, pack
@@ -24,13 +25,28 @@ from engine.models.quantized import QuantizedWeight
 
 
 @dataclass(frozen=True)
+class StaticAttention:
+    """A decode/verify step over fixed buffers (engine.gpu.step_buffers): token t is in block-table row
+    ``table_rows[t]`` at ``positions[t]`` (-1: a padded token, which writes and reads nothing); its K/V
+    goes to slot ``slots[group][t]`` (page * B + offset). Fixed shapes, no host sync: a CUDA graph
+    captures the forward over these tensors."""
+
+    positions: torch.Tensor  # [N] int64
+    table_rows: torch.Tensor  # [N] int32
+    block_tables: dict[str, torch.Tensor]  # group -> [R, M] int32
+    slots: dict[str, torch.Tensor]  # group -> [N] int64
+
+
+@dataclass(frozen=True)
 class ForwardContext:
-    """What every layer of one forward pass shares."""
+    """What every layer of one forward pass shares: a plan per group (``attention``), or for a
+    static step (``static``) the buffers that engine.gpu's paged kernels read."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     attention: dict[str, GroupAttention]
     kv_caches: dict[str, torch.Tensor]
+    static: StaticAttention | None = None
 
 
 @dataclass(frozen=True)
@@ -115,8 +131,14 @@ class PagedSelfAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self._project(hidden, ctx)
-        group, index, _ = self.slot
-        out = paged_attention(q, k, v, ctx.kv_caches[group], index, ctx.attention[group], self.scale, self.sinks)
+        group, index, window = self.slot
+        if ctx.static is not None:
+            static, cache = ctx.static, ctx.kv_caches[group]
+            write_kv(cache, index, static.slots[group], k, v)
+            out = paged_decode_attention(q, cache, index, static.block_tables[group], static.table_rows,
+                                         static.positions, window=window, scale=self.scale, sinks=self.sinks)
+        else:
+            out = paged_attention(q, k, v, ctx.kv_caches[group], index, ctx.attention[group], self.scale, self.sinks)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -138,7 +160,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), ctx)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # A static step takes the MLP's fixed-shape variant where it has one (GPT-OSS's MoE).
+        mlp = self.mlp if ctx.static is None else getattr(self.mlp, "forward_static", self.mlp)
+        return hidden + mlp(self.post_attention_layernorm(hidden))
 
 
 class DecoderModel(nn.Module):
@@ -201,12 +225,28 @@ class DecoderForCausalLM(nn.Module):
             state_dict.pop(prefix + "lm_head.weight", None)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        ctx = self._context(batch)
-        hidden = self.model.embed_tokens(batch.input_ids)
+        return self._logits(batch.input_ids, self._context(batch), batch.logits_indices)
+
+    def forward_static(self, input_ids: torch.Tensor, static: StaticAttention, rope_table: tuple[torch.Tensor, ...],
+                       kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits [N, vocab] of every token of a static step (engine.gpu): fixed shapes, no host sync.
+        ``rope_table``: (cos, sin) [P, head_dim // 2] of positions 0..P-1 (``rope_table``); a padded
+        token's position -1 reads row 0 (its output is never used)."""
+        rows = static.positions.clamp(min=0)
+        cos, sin = (table.index_select(0, rows) for table in rope_table)
+        return self._logits(input_ids, ForwardContext(cos, sin, {}, kv_caches, static), None)
+
+    def rope_table(self, num_positions: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions 0..num_positions-1: what ``forward`` computes per step, once."""
+        positions = torch.arange(num_positions, device=device)
+        return self.model.rotary_emb(positions, self.model.embed_tokens.weight.dtype)
+
+    def _logits(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor | None):
+        hidden = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             hidden = layer(hidden, ctx)
-        if batch.logits_indices is not None:
-            hidden = hidden.index_select(0, batch.logits_indices)
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)
         hidden = self.model.norm(hidden)
         if self.tie_word_embeddings:
             return linear(hidden, self.model.embed_tokens.weight, None, self.packed_head).float()

@@ -140,6 +140,21 @@ class Experts(nn.Module):
             hidden = self._activation(self._matmuls(routed, "gate_up_proj", pieces, 0))
             yield first, last, self._matmuls(hidden, "down_proj", pieces, first)
 
+    def forward_dense(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], weights [N, E] (0 for an expert a token did not choose) -> [N, H]: every expert over
+        every token, in batched matmuls of fixed shapes (no per-expert sizes read back, so a CUDA
+        graph captures it). For a decode step's few tokens the cost is the weights' bytes, which a
+        batch of 64 tokens reads nearly whole anyway::
+
+            gate_up [E, N, 2I] = x @ gate_up_proj[e] + b      down [E, N, H]      out = sum_e weights[:, e] * down[e]
+        """
+        num_experts, num_tokens = self.gate_up_proj.shape[0], x.shape[0]
+        rows = x[None].expand(num_experts, num_tokens, x.shape[1])
+        gate_up = torch.baddbmm(self.gate_up_proj_bias[:, None, :], rows, self.gate_up_proj)
+        hidden = self._activation(gate_up.view(num_experts * num_tokens, -1)).view(num_experts, num_tokens, -1)
+        down = torch.baddbmm(self.down_proj_bias[:, None, :], hidden, self.down_proj)
+        return (down.float() * weights.t().float()[:, :, None]).sum(dim=0).to(x.dtype)
+
 
 def _chunks(counts: list[int]) -> list[list[tuple[int, int, int]]]:
     """``(expert, first row, end row)`` of every expert with rows, grouped into chunks of at least
@@ -183,6 +198,13 @@ class MoeMLP(nn.Module):
         tokens, row_weights, counts = route(logits, self.router.top_k)
         out = self.experts.forward_few(x, tokens, row_weights, counts)
         return out if out is not None else self.experts.forward_sorted(x, tokens, row_weights, counts.tolist())
+
+    def forward_static(self, x: torch.Tensor) -> torch.Tensor:
+        """A static step's variant (engine.models.decoder): the router's top-k weights scattered into a
+        dense [N, E] (zeros elsewhere) and ``Experts.forward_dense``: no host sync, no data-dependent shape."""
+        experts, weights = self.router(x)
+        dense = weights.new_zeros(x.shape[0], self.experts.gate_up_proj.shape[0]).scatter_(1, experts, weights)
+        return self.experts.forward_dense(x, dense)
 
 
 class GptOssForCausalLM(DecoderForCausalLM):

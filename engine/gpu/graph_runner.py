@@ -1,0 +1,73 @@
+"""CUDA graphs of a static step's forward, one per padded batch size, replayed over fixed buffers.
+
+Captured once, when the engine starts: largest size first, every graph in one memory pool (the
+pool's blocks are reused by the smaller sizes, as vLLM and nano-vllm do). At capture the buffers
+hold only padding (positions -1, slots -1), so capturing writes no page. A replay runs the kernels
+the capture recorded, over the addresses it recorded: the buffers must be refilled in place
+(engine.gpu.step_buffers), never reallocated, and the returned logits are overwritten by the next
+replay of the same size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class CudaGraphs:
+    """``forward(n)`` -> logits [n, V] over the static buffers, captured per size in ``sizes``."""
+
+    def __init__(self, forward: Callable[[int], torch.Tensor], sizes: list[int], device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        self.forward = forward
+        self.sizes = sorted(sizes)
+        self.device = device
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.stats: dict[str, float] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> dict[str, float]:
+        """Capture every size; returns (and logs) the seconds it took and the device memory it holds."""
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._warm_up(size)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.forward(size)
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.stats = {
+            "num_graphs": len(self.graphs),
+            "capture_s": time.perf_counter() - start,
+            "memory_bytes": free_before - torch.cuda.mem_get_info(self.device)[0],
+        }
+        logger.info("captured %d CUDA graphs (sizes %s) in %.2f s, %.1f MiB", len(self.graphs), self.sizes,
+                    self.stats["capture_s"], self.stats["memory_bytes"] / 2**20)
+        return self.stats
+
+    def _warm_up(self, size: int) -> None:
+        """One eager run on a side stream first: lazy initialisation (cuBLAS handles, Triton compiles,
+        allocator growth) must not happen inside a capture."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.forward(size)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def has(self, size: int) -> bool:
+        return size in self.graphs
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the graph of ``size`` over the buffers' current contents; its logits [size, V]."""
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits

@@ -1,0 +1,156 @@
+"""A decode or verify step over fixed buffers: stage, run (a CUDA graph replay, or eagerly), sample on the device.
+
+    scheduled ──► StepRequest per request ──► StaticStepBuffers.fill + upload (one host->device copy)
+              ──► CudaGraphs.replay(size) or forward_static eagerly ──► logits [live tokens, V]
+              ──► sample_tokens, accepted_drafts, logprobs ──► one device->host copy ──► StepSamples
+
+Steps qualify when every request brings one new token (plus drafts): prefill and mixed steps run
+the plan-based path (engine.runner decides). The draws are engine.gpu.sampling's counter-based ones;
+greedy tokens are the argmax as on the host path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine.gpu.graph_runner import CudaGraphs
+from engine.gpu.sampling import SamplingRows, accepted_drafts, sample_tokens, top_logprobs
+from engine.gpu.step_buffers import StaticStepBuffers, StepRequest, StepShape
+from engine.models.decoder import StaticAttention
+from engine.outputs import TokenLogprob
+from engine.sampler import SampleResult, VerifyResult
+from engine.scheduler import ScheduledRequest
+from kvcache import KVCacheManager
+
+
+class StepSamples(NamedTuple):
+    """What the device sampled: ``sampled`` for requests without drafts (placeholders -1 / None
+    elsewhere, as engine.batch_sampling returns them), ``verified[i]`` for request i's drafts."""
+
+    sampled: SampleResult
+    verified: list[VerifyResult | None]
+
+
+class StaticStepRunner:
+    """Owns the buffers, the RoPE table and (on CUDA, unless eager) the captured graphs."""
+
+    def __init__(self, model: torch.nn.Module, manager: KVCacheManager, shape: StepShape, max_positions: int,
+                 device: torch.device, use_graphs: bool) -> None:
+        self.model = model
+        self.manager = manager
+        self.buffers = StaticStepBuffers(shape, device)
+        self.rope_table = model.rope_table(max_positions, device)
+        self.graphs = CudaGraphs(self._forward, self.buffers.sizes, device) if use_graphs else None
+        self.num_steps = 0
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture()
+
+    def can_run(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Decode or verify steps only: one new token per request, each one sampling, within the buffers."""
+        shape = self.buffers.shape
+        return (0 < len(scheduled) <= shape.max_num_seqs
+                and all(item.num_new_tokens == 1 and item.reaches_end for item in scheduled)
+                and sum(item.num_query_tokens for item in scheduled) <= shape.max_tokens)
+
+    def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[tuple[int, int]], StepSamples]:
+        """Logits of the live tokens [T, V], each request's rows of them, and the device's samples."""
+        size = self.buffers.fill([self._step_request(item) for item in scheduled])
+        self.buffers.upload()
+        if self.graphs is not None and self.graphs.has(size):
+            logits = self.graphs.replay(size)
+        else:
+            logits = self._forward(size)
+        logits = logits[: self.buffers.num_tokens]
+        spans, first = [], 0
+        for item in scheduled:
+            spans.append((first, first + item.num_query_tokens))
+            first += item.num_query_tokens
+        self.num_steps += 1
+        return logits, spans, self._sample(logits, scheduled, spans)
+
+    def _step_request(self, item: ScheduledRequest) -> StepRequest:
+        request, params = item.request, item.request.params
+        start = request.num_computed_tokens
+        pending = (request.prompt_token_ids[start] if start < request.num_prompt_tokens
+                   else request.output_token_ids[start - request.num_prompt_tokens])
+        tables = {group: self.manager.get_block_ordinals(request.request_id, group) for group in self.buffers.groups}
+        return StepRequest(request.request_id, [pending, *item.draft_token_ids], start, tables,
+                           0.0 if params.is_greedy else params.temperature, params.top_p, params.top_k,
+                           request.seed, request.num_output_tokens)
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return static_forward(self.model, self.buffers, size, self.rope_table, self.manager.storage.tensors)
+
+    def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledRequest],
+                spans: list[tuple[int, int]]) -> StepSamples:
+        """Draw every live token's sample and verify drafts on the device, then one copy to the host."""
+        num_tokens, buffers = logits.shape[0], self.buffers
+        params = [item.request.params for item in scheduled]
+        rows = SamplingRows(buffers.float_view("temperature", num_tokens), buffers.token_view("top_k", num_tokens),
+                            buffers.float_view("top_p", num_tokens), *buffers.seeds(num_tokens),
+                            buffers.token_view("counters", num_tokens))
+        ids = sample_tokens(logits, rows, is_greedy=all(p.is_greedy for p in params),
+                            is_filtered=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params))
+        parts = [ids]
+        if any(item.draft_token_ids for item in scheduled):
+            parts.append(accepted_drafts(ids, buffers.token_view("input_ids", num_tokens),
+                                         buffers.token_view("token_offsets", num_tokens),
+                                         buffers.token_view("table_rows", num_tokens), len(scheduled)))
+        num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if num_top is not None:
+            chosen, values, top_ids = top_logprobs(logits, ids, num_top)
+            parts += [chosen, values.flatten(), top_ids.flatten()]
+        host = torch.cat([part.double() for part in parts]).tolist()  # the step's one device->host copy
+        return _unpack(host, scheduled, spans, num_top)
+
+
+def static_forward(model: torch.nn.Module, buffers: StaticStepBuffers, size: int,
+                   rope_table: tuple[torch.Tensor, torch.Tensor], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model over the buffers' first ``size`` tokens, logits [size, V]: what a graph captures."""
+    static = StaticAttention(  # a padded token's row -1 -> 0: its position -1 already reads nothing
+        positions=buffers.token_view("positions", size).long(),
+        table_rows=buffers.token_view("table_rows", size).clamp(min=0),
+        block_tables={group: buffers.views["tables", group] for group in buffers.groups},
+        slots={group: buffers.views["slots", group][:size].long() for group in buffers.groups},
+    )
+    return model.forward_static(buffers.token_view("input_ids", size).long(), static, rope_table, kv_caches)
+
+
+def _unpack(host: list[float], scheduled: list[ScheduledRequest], spans: list[tuple[int, int]],
+            num_top: int | None) -> StepSamples:
+    """Split the copied values (ids [T], accepted [R] if drafts, chosen [T], top values [T, k], top ids
+    [T, k] if logprobs) into per-request results."""
+    num_tokens = spans[-1][1]
+    ids = [int(v) for v in host[:num_tokens]]
+    has_drafts = any(item.draft_token_ids for item in scheduled)
+    accepted = [int(v) for v in host[num_tokens:num_tokens + len(scheduled)]] if has_drafts else []
+    logprob_of = _logprob_reader(host[num_tokens + len(accepted):], ids, num_tokens, num_top)
+    token_ids: list[int] = [-1] * len(scheduled)
+    logprobs: list[TokenLogprob | None] = [None] * len(scheduled)
+    verified: list[VerifyResult | None] = [None] * len(scheduled)
+    for i, (item, (first, _)) in enumerate(zip(scheduled, spans)):
+        wanted = item.request.params.logprobs
+        if item.draft_token_ids:
+            rows = range(first, first + accepted[i] + 1)
+            verified[i] = VerifyResult([ids[t] for t in rows], accepted[i], [logprob_of(t, wanted) for t in rows])
+        else:
+            token_ids[i], logprobs[i] = item.request.given_or_sampled(ids[first], logprob_of(first, wanted))
+    return StepSamples(SampleResult(token_ids, logprobs), verified)
+
+
+def _logprob_reader(values: list[float], ids: list[int], num_tokens: int, num_top: int | None):
+    """``read(t, wanted)``: token t's TokenLogprob with its ``wanted`` best alternatives (None: not asked).
+    ``values``: chosen [T], then top values [T, k], then top ids [T, k]."""
+    width = (len(values) - num_tokens) // (2 * num_tokens) if num_top is not None else 0
+    top_values, top_ids = num_tokens, num_tokens * (1 + width)
+
+    def read(t: int, wanted: int | None) -> TokenLogprob | None:
+        if wanted is None or num_top is None:
+            return None
+        first, last = t * width, t * width + wanted
+        pairs = zip(values[top_ids + first:top_ids + last], values[top_values + first:top_values + last])
+        return TokenLogprob(ids[t], values[t], tuple((int(i), v) for i, v in pairs))
+    return read

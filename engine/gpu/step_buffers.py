@@ -1,0 +1,185 @@
+"""Fixed device buffers for every input of a decode or verify step, refilled in place each step.
+
+A CUDA graph replays kernels over the addresses it was captured with, so a step's inputs must live
+in tensors that never move. Tokens are laid out flat, request after request, padded to a bucket::
+
+    token t         0     1  2  3     4   | 5 ...  n-1 (padding)  |  ... max_tokens-1
+    request row     0  |  1  1  1  |  2   | -1                    |
+    position        40 |  9 10 11  |  77  | -1 (reads nothing, writes nothing)
+    token offset    0  |  0  1  2  |  0   | -1   (1 + drafts of row 1: offsets 0..2)
+
+Per layer group: ``block_tables[row, i]`` = the page of ordinal ``i`` (-1 unbound; rows past the live
+requests all -1) and ``slots[t] = page * B + position % B`` (-1: write nothing). Every field is a
+view of one int32 tensor, staged on the host (pinned on a GPU) and moved with one copy; floats
+(temperature, top_p) travel as their bit patterns, a 63-bit seed as two 31-bit halves.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+_TOKEN_FIELDS = ("input_ids", "positions", "table_rows", "token_offsets", "top_k", "temperature", "top_p",
+                 "seed_lo", "seed_hi", "counters")
+_PADDING = {"positions": -1, "table_rows": -1, "token_offsets": -1, "top_p": np.float32(1.0).view(np.int32)}
+_SEED_MASK = (1 << 31) - 1
+
+
+def bucket_sizes(max_tokens: int) -> list[int]:
+    """Padded batch sizes a graph is captured for: 1, 2, 4, 8, steps of 8 to 64, steps of 16 beyond,
+    and ``max_tokens`` itself::
+
+        max_tokens 40  -> [1, 2, 4, 8, 16, 24, 32, 40]
+        max_tokens 100 -> [1, 2, 4, 8, 16, 24, ..., 64, 80, 96, 100]
+    """
+    sizes = [s for s in (1, 2, 4) if s < max_tokens]
+    size = 8
+    while size < max_tokens:
+        sizes.append(size)
+        size += 8 if size < 64 else 16
+    return sizes + [max_tokens]
+
+
+def choose_bucket(num_tokens: int, sizes: list[int]) -> int:
+    """The smallest size that holds ``num_tokens``; ValueError past the largest."""
+    index = bisect.bisect_left(sizes, num_tokens)
+    if num_tokens < 1 or index == len(sizes):
+        raise ValueError(f"a static step holds 1..{sizes[-1]} tokens, got {num_tokens}")
+    return sizes[index]
+
+
+class StepRequest(NamedTuple):
+    """One request's part of a decode/verify step: its new tokens (last accepted + drafts) from
+    ``first_position``; ``tables[group]`` its ordinals; ``first_output`` the output index the first
+    token's sample will be (seeds draws by (seed, output index))."""
+
+    name: str
+    token_ids: list[int]
+    first_position: int
+    tables: dict[str, list[int]]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    first_output: int = 0
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The buffers' fixed sizes: ``max_tokens`` = max_num_seqs x (1 + max_draft_len)."""
+
+    max_num_seqs: int
+    max_tokens: int
+    table_width: int
+    tokens_per_block: int
+    windows: dict[str, int | None]  # group name -> window (None = full)
+
+
+class StaticStepBuffers:
+    """The host staging tensor and its device twin, both carved into the named views above."""
+
+    def __init__(self, shape: StepShape, device: torch.device | str) -> None:
+        self.shape = shape
+        self.device = torch.device(device)
+        self.groups = list(shape.windows)
+        self.sizes = bucket_sizes(shape.max_tokens)
+        t, r, m, g = shape.max_tokens, shape.max_num_seqs, shape.table_width, len(self.groups)
+        total = t * len(_TOKEN_FIELDS) + g * t + g * r * m
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        self.flat = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self.host_views = _carve(self.host.numpy(), self.groups, t, r, m)
+        self.views = _carve(self.flat, self.groups, t, r, m)
+        self.num_tokens = self.num_requests = 0
+        self.fill([])
+        self.upload()
+
+    def fill(self, requests: list[StepRequest]) -> int:
+        """Stage a step's requests (every other row padding) and return its padded size (0: empty step)."""
+        views = self.host_views
+        for name in _TOKEN_FIELDS:
+            views[name].fill(_PADDING.get(name, 0))
+        for group in self.groups:
+            views["slots", group].fill(-1)
+            views["tables", group].fill(-1)
+        if len(requests) > self.shape.max_num_seqs:
+            raise ValueError(f"{len(requests)} requests, the buffers hold {self.shape.max_num_seqs}")
+        token = 0
+        for row, request in enumerate(requests):
+            token = self._stage(row, token, request)
+        self.num_requests, self.num_tokens = len(requests), token
+        return choose_bucket(token, self.sizes) if token else 0
+
+    def upload(self) -> None:
+        """The one host-to-device copy of a step (asynchronous from pinned memory on a GPU)."""
+        self.flat.copy_(self.host, non_blocking=True)
+
+    def _stage(self, row: int, token: int, request: StepRequest) -> int:
+        """Request ``request`` at ``row``, its tokens from ``token``; returns the next free token."""
+        num_new = len(request.token_ids)
+        end = token + num_new
+        if end > self.shape.max_tokens:
+            raise ValueError(f"the step's tokens pass the buffers' {self.shape.max_tokens}")
+        positions = np.arange(request.first_position, request.first_position + num_new)
+        views = self.host_views
+        views["input_ids"][token:end] = request.token_ids
+        views["positions"][token:end] = positions
+        views["table_rows"][token:end] = row
+        views["token_offsets"][token:end] = np.arange(num_new)
+        views["counters"][token:end] = request.first_output + np.arange(num_new)
+        views["top_k"][token:end] = request.top_k
+        views["temperature"][token:end] = np.float32(request.temperature).view(np.int32)
+        views["top_p"][token:end] = np.float32(request.top_p).view(np.int32)
+        views["seed_lo"][token:end] = request.seed & _SEED_MASK
+        views["seed_hi"][token:end] = (request.seed >> 31) & _SEED_MASK
+        block = self.shape.tokens_per_block
+        for group, window in self.shape.windows.items():
+            table = self._checked_table(request, group, window, positions)
+            views["tables", group][row, : len(table)] = table
+            pages = np.asarray(table, dtype=np.int64)[positions // block]
+            views["slots", group][token:end] = pages * block + positions % block
+        return end
+
+    def _checked_table(self, request: StepRequest, group: str, window: int | None, positions: np.ndarray):
+        """The request's ordinals for ``group``, once every ordinal its tokens read or write is bound::
+
+            positions a .. S-1, window W:  ordinals  max(0, a - W + 1) // B  ..  (S - 1) // B
+        """
+        table, block = request.tables[group], self.shape.tokens_per_block
+        if len(table) > self.shape.table_width:
+            raise ValueError(f"request {request.name!r}: {len(table)} ordinals in group {group!r}, "
+                             f"the buffers hold {self.shape.table_width}")
+        first_read = 0 if window is None else max(0, int(positions[0]) - window + 1) // block
+        last = int(positions[-1]) // block
+        for ordinal in range(first_read, last + 1):
+            if ordinal >= len(table) or table[ordinal] < 0:
+                raise ValueError(f"request {request.name!r}, layer group {group!r}: ordinal {ordinal} "
+                                 f"(positions {ordinal * block}..{ordinal * block + block - 1}) is read but unbound")
+        return table
+
+    def token_view(self, name: str, num_tokens: int) -> torch.Tensor:
+        """The device view of a per-token field, its first ``num_tokens`` rows."""
+        return self.views[name][:num_tokens]
+
+    def float_view(self, name: str, num_tokens: int) -> torch.Tensor:
+        """temperature / top_p as float32 (their int32 bits reinterpreted; no copy)."""
+        return self.views[name][:num_tokens].view(torch.float32)
+
+    def seeds(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.views["seed_lo"][:num_tokens], self.views["seed_hi"][:num_tokens]
+
+
+def _carve(flat, groups: list[str], t: int, r: int, m: int) -> dict:
+    """Named views of ``flat`` (numpy array or tensor): token fields, per group slots [t] and tables [r, m]."""
+    views, offset = {}, 0
+    for name in _TOKEN_FIELDS:
+        views[name], offset = flat[offset:offset + t], offset + t
+    for group in groups:
+        views["slots", group], offset = flat[offset:offset + t], offset + t
+    for group in groups:
+        views["tables", group], offset = flat[offset:offset + r * m].reshape(r, m), offset + r * m
+    return views

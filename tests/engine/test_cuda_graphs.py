@@ -1,0 +1,84 @@
+"""On a CUDA GPU: decode/verify steps replayed as CUDA graphs (engine.gpu.graph_runner) give the eager
+static step's tokens and logits, and transformers' greedy tokens, in float32.
+
+Skipped where there is no GPU (CI); ``bench/gpu_check.sh`` runs them (``-m gpu``, its ``graph`` step).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.gpu.graph_runner import CudaGraphs
+from engine.gpu.static_runner import static_forward
+from engine.gpu.step_buffers import StaticStepBuffers, StepRequest, StepShape
+from tests.engine.helpers import PagedKV, load_pair, relative_error
+from tests.engine.test_cuda import tiny_reference  # noqa: F401
+
+CUDA = "cuda"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+B, WIDTH = 4, 16
+
+
+def llm(path: str, draft_len: int, enforce_eager: bool) -> LLM:
+    return LLM(path, device=CUDA, dtype="float32", tokens_per_block=8, max_draft_len=draft_len, max_num_seqs=8,
+               enforce_eager=enforce_eager)
+
+
+@pytest.mark.parametrize("draft_len", [0, 3])
+def test_graph_tokens_equal_eager_and_transformers(tiny_reference, draft_len):
+    path, prompts, expected = tiny_reference
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    graphed, eager = llm(path, draft_len, False), llm(path, draft_len, True)
+    static = graphed.engine.runner.static
+    assert static.graphs is not None and eager.engine.runner.static.graphs is None
+    assert static.graphs.stats["num_graphs"] == len(static.buffers.sizes) and static.graphs.stats["capture_s"] > 0
+    got = [o.token_ids for o in graphed.generate(prompt_token_ids=prompts, sampling_params=params)]
+    want = [o.token_ids for o in eager.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == want
+    assert got == expected
+    assert static.num_steps > 20
+
+
+def test_seeded_sampling_is_the_same_with_and_without_graphs(tiny_reference):
+    path, prompts, _ = tiny_reference
+    params = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=s, ignore_eos=True)
+              for s in range(len(prompts))]
+    graphed = llm(path, 0, False).generate(prompt_token_ids=prompts, sampling_params=params)
+    eager = llm(path, 0, True).generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_replayed_logits_equal_the_eager_static_and_plan_steps(arch):
+    _, ours, config = load_pair(arch)
+    ours = ours.to(CUDA)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in (5, 13, 22)]
+    cache = PagedKV.for_config(config, B, device=CUDA)
+    with torch.inference_mode():
+        for r, prompt in enumerate(prompts):
+            ours(cache.batch([(r, prompt, 0)]))
+    plan = copy.deepcopy(cache)
+    steps = [(0, [7], 5), (1, [3, 9, 4], 13), (2, [1], 22)]
+    with torch.inference_mode():
+        expected = ours(plan.batch(steps))
+    buffers = StaticStepBuffers(StepShape(4, 8, WIDTH, B, {g.name: g.window for g in cache.spec.groups}), CUDA)
+    rope = ours.rope_table(WIDTH * B, CUDA)
+    graphs = CudaGraphs(lambda n: static_forward(ours, buffers, n, rope, cache.kv), buffers.sizes,
+                        torch.device(CUDA))
+    graphs.capture()
+    for r, tokens, start in steps:
+        cache.prepare(r, start, start + len(tokens))
+    size = buffers.fill([StepRequest(f"r{r}", t, s, cache.tables[r]) for r, t, s in steps])
+    buffers.upload()
+    replayed = graphs.replay(size)[:5].clone()
+    assert relative_error(replayed, expected) < 1e-4
+    assert torch.equal(replayed.argmax(-1), expected.argmax(-1))
+    for group in cache.kv:
+        torch.testing.assert_close(cache.kv[group], plan.kv[group], rtol=1e-4, atol=1e-5, equal_nan=True)
