@@ -258,6 +258,10 @@ class Ingress:
                                     hasher=PromptHasher(config, model_path),
                                     local_prefill_max_tokens=config.local_prefill_max_tokens, **workers)
 
+    async def request_paths(self) -> dict[str, str]:
+        """Each recent request's path through this ingress (app.serve_backend), for fault tests."""
+        return dict(self.backend.paths)
+
     def __serve_build_asgi_app__(self):
         config = self.config
         api = build_api(self.backend, self.tokenizer, api_key=config.api_key, max_queue=config.max_queue)
