@@ -139,7 +139,7 @@ class WorkerReplica:
 
     async def stats(self) -> dict:
         return {**await self.worker.stats(), "num_cancelled": self.num_cancelled,
-                "num_abort_calls": self.num_abort_calls}
+                "num_abort_calls": self.num_abort_calls, "replica": self.name}
 
     async def record_routing_stats(self) -> dict:
         """The latest report's routing keys, built in ``_report_forever`` (not per call): the page
@@ -304,16 +304,16 @@ def build_app_with(args: dict | None = None, worker_options: dict[str, dict] | N
     """``build_app`` plus ``worker_options``: Serve options by worker deployment name
     (``{"ContextWorker": {"num_replicas": 2}}``), for tests and benchmarks that serve in process."""
     config = AppConfig.model_validate(args or {})
-    worker_config = config.to_worker_config()
     max_ongoing = max(8, 2 * config.max_num_seqs)
     board = WorkerStats.bind()
 
-    def worker(deployment):
+    def worker(deployment, role: str | None = None):
         options = {"max_ongoing_requests": max_ongoing, **(worker_options or {}).get(deployment.name, {})}
-        return deployment.options(**options).bind(worker_config, board)
+        return deployment.options(**options).bind(config.to_worker_config(role), board)
 
     if config.mode == "disagg":
-        workers = {"context": worker(ContextDeployment), "generation": worker(GenerationDeployment)}
+        workers = {"context": worker(ContextDeployment, "context"),
+                   "generation": worker(GenerationDeployment, "generation")}
     else:
         workers = {"aggregated": worker(AggregatedDeployment)}
     return Ingress.options(**ingress_options(config)).bind(config, board, **workers)
