@@ -27,6 +27,7 @@ from engine.config import check_at_least, max_model_len
 from engine.model_registry import short_model_name
 
 API_KEY_ENV = "WINDSERVE_API_KEY"
+ROLE_PAGES = {"context": "context_num_pages", "generation": "generation_num_pages"}
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -42,6 +43,10 @@ class AppConfig(WorkerConfig):
     whose uncached part (its length less the best generation-side cache hit the
     ingress estimates) is at most this many tokens is prefilled by a generation
     worker itself, with no context hop and no transfer; 0 never does (app.placement).
+    ``context_num_pages`` / ``generation_num_pages`` (disagg): pages per layer group of each
+    context / generation worker, sized apart (a context worker holds prompts until their
+    transfer; a generation worker holds the windowed slices it decodes from and keeps the hot
+    ones cached); None: ``num_pages``.
     """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
@@ -49,6 +54,8 @@ class AppConfig(WorkerConfig):
     max_queue: int | None = None
     served_model_name: str | None = None
     local_prefill_max_tokens: int = 0
+    context_num_pages: int | None = None
+    generation_num_pages: int | None = None
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -65,6 +72,11 @@ class AppConfig(WorkerConfig):
         if self.max_queue is not None:
             check_at_least(self, ("max_queue",), 0)
         check_at_least(self, ("local_prefill_max_tokens",), 0)
+        for name in ROLE_PAGES.values():
+            if getattr(self, name) is not None:
+                if self.mode != "disagg":
+                    raise ValueError(f"{name} sizes a disagg role; mode '{self.mode}' takes num_pages only")
+                check_at_least(self, (name,), 1)
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must be non-empty (leave it unset for the model's short name)")
 
@@ -79,17 +91,21 @@ class AppConfig(WorkerConfig):
         """The config of a Serve config's ``args:`` (``pydantic.ValidationError`` if invalid)."""
         return _ADAPTER.validate_python(args or {})
 
-    def to_worker_config(self) -> WorkerConfig:
-        """The workers' part: a plain WorkerConfig (the API key stays with the ingress)."""
-        return WorkerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerConfig)})
+    def to_worker_config(self, role: str | None = None) -> WorkerConfig:
+        """The workers' part: a plain WorkerConfig (the API key stays with the ingress); for ``role``
+        ("context", "generation") with that role's ``num_pages``."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerConfig)}
+        role_pages = getattr(self, ROLE_PAGES[role]) if role in ROLE_PAGES else None
+        return WorkerConfig(**(fields | {"num_pages": role_pages or self.num_pages}))
 
     def serving_max_model_len(self, model_path: str) -> int:
         """The longest prompt + output the workers accept (``engine.config.max_model_len``)."""
         from transformers import AutoConfig
 
         positions = AutoConfig.from_pretrained(model_path, local_files_only=True).max_position_embeddings
-        return max_model_len(self, positions, draft_len=self.max_draft_len,
-                             num_extra_kv_tokens=self.num_extra_kv_tokens)
+        roles = list(ROLE_PAGES) if self.mode == "disagg" else [None]
+        return min(max_model_len(self.to_worker_config(role), positions, draft_len=self.max_draft_len,
+                                 num_extra_kv_tokens=self.num_extra_kv_tokens) for role in roles)
 
 
 _ADAPTER = TypeAdapter(AppConfig)

@@ -26,7 +26,13 @@ replica with the most empty pages (free and holding no cached block) ranks
 first, so new prefixes spread by cache footprint, not by chance: the caches of
 N replicas then hold N times the prefixes of one, where a random spread
 overfills one replica's cache while another's stands empty. Replicas that
-have not reported rank last. Serve takes the first replica of the first rank
+have not reported rank last.
+
+The router counts its own decisions (app.pending): a request's blocks join its
+view of the replica it was sent to at once, and the pages they take leave that
+view's free and empty pages, until a report of the replica shows the request.
+A burst of new prefixes within one report period thus spreads by what each
+replica will hold, not by what it held a period ago. Serve takes the first replica of the first rank
 that accepts (its queue below ``max_ongoing_requests``).
 
 Sticky cancellation: an ``abort`` must reach the replica that holds the
@@ -40,12 +46,13 @@ import dataclasses
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from app.pending import PendingDecisions, with_pending
 from kvcache import BlockSummary, hit_for_windows, stale_end
 
 ROUTER_PATH = "app.routing:KVAwareRequestRouter"
@@ -77,7 +84,8 @@ class ReplicaView:
     tokens_per_block: int = 0
     fingerprint: bytes = b""
     windows: dict[str, int | None] = field(default_factory=dict)
-    summaries: dict[str, BlockSummary] = field(default_factory=dict)
+    summaries: Mapping[str, Container[bytes]] = field(default_factory=dict)  # BlockSummary, or app.pending's
+    accounted_ids: frozenset[str] = frozenset()  # requests whose blocks this report shows (app.pending)
 
     @classmethod
     def from_stats(cls, stats: dict[str, Any]) -> ReplicaView | None:
@@ -95,6 +103,7 @@ class ReplicaView:
             fingerprint=stats.get("kv_fingerprint", b""),
             windows=dict(stats.get("windows") or {}),
             summaries=summaries,
+            accounted_ids=frozenset(stats.get("accounted_request_ids") or ()),
         )
 
     def hit(self, hint: RoutingHint) -> int:
@@ -154,12 +163,14 @@ def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, 
 
 
 def rank_replicas(
-    replicas: Sequence[Any], hint: RoutingHint | None, queue_len: Callable[[Any], int | None], scales: CostScales
+    replicas: Sequence[Any], hint: RoutingHint | None, queue_len: Callable[[Any], int | None], scales: CostScales,
+    pending_of: Callable[[Any, ReplicaView], Sequence[RoutingHint]] = lambda replica, view: (),
 ) -> list[list[Any]]:
     """One rank per reported replica, cheapest first (equal costs: most empty pages first),
     then the unreported ones as one rank.
 
     ``replicas``: anything with ``routing_stats``; ``hint`` None (no prompt) scores load only.
+    ``pending_of(replica, view)``: the requests sent there that ``view`` (its report) does not show yet.
     """
     hint = hint or RoutingHint("")
     shuffled = random.sample(list(replicas), len(replicas))  # fair among equal costs and footprints
@@ -169,6 +180,7 @@ def rank_replicas(
         if view is None:
             unknown.append(replica)
         else:
+            view = with_pending(view, pending_of(replica, view))
             cost = replica_cost(view, hint, queue_len(replica), scales)
             scored.append((cost, -view.num_empty_pages, replica))
     scored.sort(key=lambda entry: entry[:2])
@@ -194,6 +206,7 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
                          **kwargs: Any) -> None:
         self.scales = CostScales(prefill_load_scale, decode_load_scale)
         self.placements: OrderedDict[str, Any] = OrderedDict()  # request id -> replica id
+        self.pending = PendingDecisions()
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -204,7 +217,13 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             if holder:
                 return [holder]
         cache = self.replica_queue_len_cache
-        return rank_replicas(candidate_replicas, hint, lambda r: cache.get(r.replica_id), self.scales)
+        self.pending.retain(getattr(self, "curr_replicas", None) or [r.replica_id for r in candidate_replicas])
+        return rank_replicas(candidate_replicas, hint, lambda r: cache.get(r.replica_id), self.scales,
+                             self._pending_of)
+
+    def _pending_of(self, replica: RunningReplica, view: ReplicaView) -> list[RoutingHint]:
+        self.pending.reconcile(replica.replica_id, view.accounted_ids)
+        return self.pending.hints(replica.replica_id)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
         hint = hint_of(pending_request)
@@ -212,5 +231,7 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             return
         self.placements[hint.request_id] = replica_id
         self.placements.move_to_end(hint.request_id)
+        if hint.block_hashes:
+            self.pending.add(replica_id, hint)
         while len(self.placements) > NUM_REMEMBERED_REQUESTS:
             self.placements.popitem(last=False)

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from ray import serve
@@ -60,7 +61,12 @@ METRICS_KEYS = ("num_free_pages", "num_empty_pages", "num_total_pages", "num_run
                 "num_drafts_accepted", "prefix_cache_queries", "prefix_cache_hits", "num_abort_calls",
                 "num_transfer_fallbacks")
 ROUTING_KEYS = ("num_free_pages", "num_empty_pages", "num_total_pages", "num_running", "num_waiting",
-                "queued_prefill_tokens", "tokens_per_block", "windows", "kv_fingerprint", "cache_summaries")
+                "queued_prefill_tokens", "tokens_per_block", "windows", "kv_fingerprint", "cache_summaries",
+                "accounted_request_ids")
+# A request's id stays in its replica's reports this long after its blocks were cached (or it ended), so
+# that every router hears it at least once (a report a period, Serve's poll a period, slack for load);
+# the router then drops its own pending entry for it (app.pending).
+ACCOUNTED_KEEP_S = 5 * REPORT_PERIOD_S
 # A killed replica is noticed at the controller's next health check of it (Serve's default period: 10 s),
 # then replaced (~6 s here: process, imports, engine). The check is Serve's own ping, answered on the
 # replica's main loop (we define no check_health): an engine step (a thread, actors.engine_loop) or a
@@ -120,6 +126,7 @@ class WorkerReplica:
         self.num_cancelled = 0  # streams whose caller went away (client disconnects)
         self.num_abort_calls = 0  # aborts routed here (sticky: to the replica holding the request)
         self._latest: dict = {}
+        self._accounted: OrderedDict[str, float] = OrderedDict()  # request id -> when its blocks were cached
         await worker.start()
         self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
@@ -133,7 +140,7 @@ class WorkerReplica:
 
     async def stats(self) -> dict:
         return {**await self.worker.stats(), "num_cancelled": self.num_cancelled,
-                "num_abort_calls": self.num_abort_calls}
+                "num_abort_calls": self.num_abort_calls, "replica": self.name}
 
     async def record_routing_stats(self) -> dict:
         """The latest report's routing keys, built in ``_report_forever`` (not per call): the page
@@ -141,25 +148,46 @@ class WorkerReplica:
         of its pool (kvcache.summary): ``~2.5 KB`` a group at 2048 pages, ``120 KB`` at 100k."""
         return {k: self._latest[k] for k in ROUTING_KEYS if k in self._latest}
 
+    def account(self, request_id: str) -> None:
+        """Its blocks are in this replica's cache now (or it ended): reports built from now on show it."""
+        self._accounted[request_id] = time.monotonic()
+        self._accounted.move_to_end(request_id)
+
+    def accounted_ids(self) -> list[str]:
+        """The ids accounted within ACCOUNTED_KEEP_S; read before the cache is summarized, so that the
+        summary of the same report includes their blocks."""
+        horizon = time.monotonic() - ACCOUNTED_KEEP_S
+        while self._accounted and next(iter(self._accounted.values())) < horizon:
+            self._accounted.popitem(last=False)
+        return list(self._accounted)
+
     async def _report_forever(self) -> None:
         while True:
             try:
+                accounted = {"accounted_request_ids": self.accounted_ids()}
                 entry = metrics_entry(self.name, self.role, await self.stats())
-                self._latest = {**entry, **await self.worker.routing_stats()}
+                self._latest = {**entry, **await self.worker.routing_stats(), **accounted}
                 await self.board.report.remote(self._latest)
             except Exception:
                 log.warning("stats report of %s failed", self.name, exc_info=True)
             await asyncio.sleep(REPORT_PERIOD_S)
 
-    async def _relay(self, updates: AsyncIterator[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
-        """Yield a worker's updates; a cancelled caller closes the worker's stream (abort, pages freed)."""
+    async def _relay(self, request_id: str, updates: AsyncIterator[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
+        """Yield a worker's updates; a cancelled caller closes the worker's stream (abort, pages freed).
+        The request is accounted at its first update (its prompt's or slice's blocks are cached then)."""
         async with contextlib.aclosing(updates):
             try:
+                is_accounted = False
                 async for update in updates:
+                    if not is_accounted:
+                        self.account(request_id)
+                        is_accounted = True
                     yield update
             except (asyncio.CancelledError, GeneratorExit):
                 self.num_cancelled += 1
                 raise
+            finally:
+                self.account(request_id)
 
     async def __del__(self) -> None:
         # __init__ may have failed part way; Serve calls __del__ anyway
@@ -177,7 +205,10 @@ class ContextDeployment(WorkerReplica):
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       hint: RoutingHint | None = None) -> Prefilled:
-        return await self.worker.prefill(request_id, prompt_token_ids, params)
+        try:
+            return await self.worker.prefill(request_id, prompt_token_ids, params)
+        finally:
+            self.account(request_id)
 
 
 @serve.deployment(name="GenerationWorker", **WORKER_OPTIONS)
@@ -188,14 +219,16 @@ class GenerationDeployment(WorkerReplica):
     async def generate(
         self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams, hint: RoutingHint | None = None
     ) -> AsyncIterator[RequestUpdate]:
-        async for update in self._relay(self.worker.generate(handle, prompt_token_ids, params)):
+        request_id = hint.request_id if hint is not None else handle.request_id  # the id the router saw
+        async for update in self._relay(request_id, self.worker.generate(handle, prompt_token_ids, params)):
             yield update
 
     async def generate_local(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hint: RoutingHint | None = None
     ) -> AsyncIterator[RequestUpdate]:
         """Prefill here too (app.placement: a prompt whose uncached part is short)."""
-        async for update in self._relay(self.worker.generate_local(request_id, prompt_token_ids, params)):
+        updates = self.worker.generate_local(request_id, prompt_token_ids, params)
+        async for update in self._relay(request_id, updates):
             yield update
 
 
@@ -207,7 +240,7 @@ class AggregatedDeployment(WorkerReplica):
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hint: RoutingHint | None = None
     ) -> AsyncIterator[RequestUpdate]:
-        async for update in self._relay(self.worker.generate(request_id, prompt_token_ids, params)):
+        async for update in self._relay(request_id, self.worker.generate(request_id, prompt_token_ids, params)):
             yield update
 
 
@@ -225,6 +258,10 @@ class Ingress:
         self.backend = ServeBackend(model_name=config.served_model, max_model_len=max_model_len, board=board,
                                     hasher=PromptHasher(config, model_path),
                                     local_prefill_max_tokens=config.local_prefill_max_tokens, **workers)
+
+    async def request_paths(self) -> dict[str, str]:
+        """Each recent request's path through this ingress (app.serve_backend), for fault tests."""
+        return dict(self.backend.paths)
 
     def __serve_build_asgi_app__(self):
         config = self.config
@@ -268,16 +305,16 @@ def build_app_with(args: dict | None = None, worker_options: dict[str, dict] | N
     """``build_app`` plus ``worker_options``: Serve options by worker deployment name
     (``{"ContextWorker": {"num_replicas": 2}}``), for tests and benchmarks that serve in process."""
     config = AppConfig.model_validate(args or {})
-    worker_config = config.to_worker_config()
     max_ongoing = max(8, 2 * config.max_num_seqs)
     board = WorkerStats.bind()
 
-    def worker(deployment):
+    def worker(deployment, role: str | None = None):
         options = {"max_ongoing_requests": max_ongoing, **(worker_options or {}).get(deployment.name, {})}
-        return deployment.options(**options).bind(worker_config, board)
+        return deployment.options(**options).bind(config.to_worker_config(role), board)
 
     if config.mode == "disagg":
-        workers = {"context": worker(ContextDeployment), "generation": worker(GenerationDeployment)}
+        workers = {"context": worker(ContextDeployment, "context"),
+                   "generation": worker(GenerationDeployment, "generation")}
     else:
         workers = {"aggregated": worker(AggregatedDeployment)}
     return Ingress.options(**ingress_options(config)).bind(config, board, **workers)

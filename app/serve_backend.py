@@ -18,6 +18,28 @@
       the context replica unavailable before token 0 (it died, its actor is gone, Serve has
       none): generation.generate_local instead, counted in ``num_context_fallbacks``.
 
+A bounded wait for a dead context replica. A request that no context replica
+has accepted yet (queued in the router, or being re-sent by Serve after the
+replica it was sent to died) would wait for Serve's replacement, 6-21 s. Once
+a context call failed as unavailable (``is_unavailable``), the context
+deployment is suspect for CONTEXT_SUSPECT_S; while it is, a request whose call
+no replica has accepted falls back to a local prefill at most
+CONTEXT_WAIT_BOUND_S after the later of its start and the failure::
+
+    t_fail: a context call fails as unavailable     suspect until t_fail + CONTEXT_SUSPECT_S
+    request started at t0, not accepted yet          falls back by max(t0, t_fail) + CONTEXT_WAIT_BOUND_S
+                                                     (checked every CONTEXT_POLL_S)
+
+A request a replica has accepted waits for its prefill (a dead replica fails it
+at once: the fallback above). With no failure seen, the wait is Serve's own
+(backpressure while every replica is at ``max_ongoing_requests``).
+
+Each request's path is remembered (``paths``, bounded, newest last): "context"
+(prefilled by a context replica), "fell back: unavailable" (its call failed
+with the replica gone), "fell back: wait bound" (no replica accepted it in the
+bound), "local" (a short uncached part, by choice), "failed" (an error reached
+the client).
+
 The generation call is opened by a task created just before ``first`` is
 yielded: it runs as soon as the loop is free (while the consumer sends
 ``first`` to the client), so the open is not on token 0's path and does not
@@ -38,6 +60,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -52,6 +76,10 @@ from engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 10.0
+CONTEXT_WAIT_BOUND_S = 2.0
+CONTEXT_SUSPECT_S = 30.0  # longer than Serve's replacement of a replica (6-21 s here)
+CONTEXT_POLL_S = 0.1
+NUM_REMEMBERED_PATHS = 10_000
 # A replica that died or cannot be reached (RayActorError covers ActorDiedError and
 # ActorUnavailableError), or a deployment with no replica to take the call.
 UNAVAILABLE_ERRORS = (RayActorError, DeploymentUnavailableError, ReplicaUnavailableError)
@@ -120,6 +148,14 @@ class ServeBackend:
         self.local_prefill_max_tokens = local_prefill_max_tokens if is_disagg else 0
         self.generation_caches = GenerationCaches(board)
         self.num_context_fallbacks = 0  # prompts prefilled on a generation replica: no context replica answered
+        self.context_failed_at: float | None = None  # time.monotonic() of the latest unavailable context call
+        self.paths: OrderedDict[str, str] = OrderedDict()  # request id -> its path (module docstring)
+
+    def record_path(self, request_id: str, path: str) -> None:
+        self.paths[request_id] = path
+        self.paths.move_to_end(request_id)
+        while len(self.paths) > NUM_REMEMBERED_PATHS:
+            self.paths.popitem(last=False)
 
     def hint(self, request_id: str, prompt_token_ids: list[int]) -> RoutingHint:
         if self.hasher is None:
@@ -142,11 +178,16 @@ class ServeBackend:
             updates = relay(self.aggregated.options(stream=True).generate.remote(request_id, prompt_token_ids,
                                                                                  params, hint=hint))
         elif self.is_local_prefill(hint):
+            self.record_path(request_id, "local")
             updates = relay(self._generate_local(request_id, prompt_token_ids, params, hint))
         else:
             updates = self._disagg(request_id, prompt_token_ids, params, hint)
-        async for update in updates:
-            yield update
+        try:
+            async for update in updates:
+                yield update
+        except Exception:
+            self.record_path(request_id, "failed")
+            raise
 
     def _generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                         hint: RoutingHint) -> DeploymentResponseGenerator:
@@ -186,17 +227,45 @@ class ServeBackend:
         """The context side's prefill; None when no context replica could do it (then prefill locally)."""
         call = self.context.prefill.remote(request_id, prompt_token_ids, params, hint=hint)
         try:
-            return await call
+            if not await self._accepted_in_bound(call):
+                call.cancel()
+                return self._fall_back(request_id, "wait bound", f"no context replica accepted it within "
+                                       f"{CONTEXT_WAIT_BOUND_S} s of a context replica's failure")
+            prefilled = await call
         except asyncio.CancelledError:
             call.cancel()
             raise
         except Exception as exc:
             if not is_unavailable(exc):
                 raise
-            self.num_context_fallbacks += 1
-            log.warning("context prefill of %s failed (%s: %s); prefilling it on a generation replica",
-                        request_id, type(exc).__name__, exc)
-            return None
+            self.context_failed_at = time.monotonic()
+            return self._fall_back(request_id, "unavailable", f"{type(exc).__name__}: {exc}")
+        self.record_path(request_id, "context")
+        return prefilled
+
+    async def _accepted_in_bound(self, call) -> bool:
+        """Whether a context replica accepts ``call`` before the bound of the module docstring ends;
+        Serve's own wait (no bound) while no context call failed in the last CONTEXT_SUSPECT_S."""
+        accepted = asyncio.ensure_future(call._fetch_future_result_async())  # Serve: assigned to a replica
+        started = time.monotonic()
+        try:
+            while not accepted.done():
+                await asyncio.wait({accepted}, timeout=CONTEXT_POLL_S)
+                failed_at, now = self.context_failed_at, time.monotonic()
+                if failed_at is not None and now - failed_at < CONTEXT_SUSPECT_S and not accepted.done():
+                    if now - max(started, failed_at) >= CONTEXT_WAIT_BOUND_S:
+                        return False
+        finally:
+            if not accepted.done():
+                accepted.cancel()
+        accepted.result()  # raises what the routing raised
+        return True
+
+    def _fall_back(self, request_id: str, reason: str, detail: str) -> None:
+        self.num_context_fallbacks += 1
+        self.record_path(request_id, f"fell back: {reason}")
+        log.warning("context prefill of %s failed (%s); prefilling it on a generation replica", request_id, detail)
+        return None
 
     async def abort(self, request_id: str) -> None:
         hint = RoutingHint(request_id)

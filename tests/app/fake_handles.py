@@ -6,6 +6,10 @@
 As with Serve, a call starts running when ``remote`` is called, whether or not
 anyone reads it yet: a FakeStream drives its generator in a task of its own
 into a queue. Every call is recorded, and so is its cancellation.
+
+``FakeDeployment.max_accepted`` (None: no limit) stands for a deployment whose
+replicas are gone: a FakeCall past that many waits, unaccepted (Serve's
+``_fetch_future_result_async`` does not return), until ``accept_waiting()``.
 """
 
 from __future__ import annotations
@@ -25,11 +29,26 @@ class Call:
 
 
 class FakeCall:
-    """A DeploymentResponse: awaitable once, cancellable."""
+    """A DeploymentResponse: awaitable once, cancellable; runs once a replica accepts it."""
 
-    def __init__(self, record: Call, coroutine) -> None:
+    def __init__(self, record: Call, coroutine, accepted: asyncio.Event | None = None) -> None:
         self.record = record
-        self._task = asyncio.ensure_future(coroutine)
+        self.accepted = accepted or asyncio.Event()
+        if accepted is None:
+            self.accepted.set()
+        self._task = asyncio.ensure_future(self._run(coroutine))
+
+    async def _run(self, coroutine):
+        try:
+            await self.accepted.wait()
+        except asyncio.CancelledError:
+            coroutine.close()
+            raise
+        return await coroutine
+
+    async def _fetch_future_result_async(self) -> FakeCall:
+        await self.accepted.wait()
+        return self
 
     def __await__(self):
         return self._task.__await__()
@@ -80,12 +99,25 @@ class FakeDeployment:
 
     methods: dict[str, Any]
     calls: list[Call] = field(default_factory=list)
+    max_accepted: int | None = None
+    waiting: list[asyncio.Event] = field(default_factory=list)
+
+    def acceptance(self) -> asyncio.Event | None:
+        """None (accepted at once) within ``max_accepted`` calls, else an event not set yet."""
+        if self.max_accepted is None or len(self.calls) <= self.max_accepted:
+            return None
+        self.waiting.append(asyncio.Event())
+        return self.waiting[-1]
+
+    def accept_waiting(self) -> None:
+        for event in self.waiting:
+            event.set()
 
     def options(self, **options) -> FakeDeployment:
         return self
 
     def __getattr__(self, name: str) -> _Method:
-        if name in ("methods", "calls") or name not in self.methods:
+        if name in ("methods", "calls", "max_accepted", "waiting") or name not in self.methods:
             raise AttributeError(name)
         return _Method(self, name)
 
@@ -104,7 +136,7 @@ class _Method:
         fn = self.deployment.methods[self.name]
         if inspect.isasyncgenfunction(fn):
             return FakeStream(record, fn(*args, **kwargs))
-        return FakeCall(record, fn(*args, **kwargs))
+        return FakeCall(record, fn(*args, **kwargs), self.deployment.acceptance())
 
 
 def fake_board() -> FakeDeployment:

@@ -175,7 +175,8 @@ def test_every_worker_and_engine_knob_is_reachable_from_the_args():
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)} - engine_fields
     app_fields = {f.name for f in dataclasses.fields(AppConfig)} - engine_fields - worker_fields
-    assert app_fields == {"mode", "api_key", "max_queue", "served_model_name", "local_prefill_max_tokens"}
+    assert app_fields == {"mode", "api_key", "max_queue", "served_model_name", "local_prefill_max_tokens",
+                          "context_num_pages", "generation_num_pages"}
     assert {"claim_s", "transfer_timeout_s", "reserve_timeout_s", "torch_threads"} <= worker_fields
     assert {"drafter", "num_extra_kv_tokens", "seed"} <= engine_fields
     args = {"drafter": "none", "num_extra_kv_tokens": 3, "seed": 7, "claim_s": 9, "transfer_timeout_s": 11,
@@ -204,6 +205,26 @@ def test_serving_max_model_len_counts_the_configured_scratch():
     assert AppConfig.model_validate({"max_model_len": 100}).serving_max_model_len(path) == 100
 
 
+def test_each_disagg_role_gets_its_own_pages():
+    """context_num_pages / generation_num_pages size each role's workers; unset: num_pages. The
+    longest request served is what the smaller role holds (windserve-tiny: 4096 positions)."""
+    config = AppConfig.model_validate({"tokens_per_block": 8, "num_pages": 64, "context_num_pages": 32,
+                                       "generation_num_pages": 128})
+    pages = {role: config.to_worker_config(role).num_pages for role in ("context", "generation", None)}
+    assert pages == {"context": 32, "generation": 128, None: 64}
+    assert config.serving_max_model_len(resolve_model_path("windserve-tiny")) == 32 * 8
+    one_set = AppConfig.model_validate({"num_pages": 64, "generation_num_pages": 96})
+    assert [one_set.to_worker_config(r).num_pages for r in ("context", "generation")] == [64, 96]
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "aggregated" not in p.name], ids=lambda p: p.name)
+def test_disagg_configs_size_both_roles(path):
+    for app in serve_config(path).applications:
+        config = AppConfig.model_validate(app.args)
+        assert config.context_num_pages is not None and config.generation_num_pages is not None, path
+        assert config.to_worker_config("generation").num_pages == app.args["generation_num_pages"]
+
+
 @pytest.mark.parametrize("args, message", [
     ({"modle": "x"}, "Unexpected keyword argument"),
     ({"mode": "both"}, "'disagg' or 'aggregated'"),
@@ -219,6 +240,10 @@ def test_serving_max_model_len_counts_the_configured_scratch():
     ({"torch_threads": 0}, "greater than or equal to 1"),
     ({"dtype": "int8"}, "dtype must be one of"),
     ({"served_model_name": ""}, "served_model_name must be non-empty"),
+    ({"context_num_pages": 0}, "context_num_pages must be greater than or equal to 1"),
+    ({"generation_num_pages": "many"}, "Input should be a valid integer"),
+    ({"mode": "aggregated", "transport": "local", "generation_num_pages": 64},
+     "generation_num_pages sizes a disagg role; mode 'aggregated' takes num_pages only"),
 ])
 def test_app_config_rejects_with_a_clear_error(args, message):
     with pytest.raises(ValidationError, match=re.escape(message)):
