@@ -4,26 +4,14 @@ Every page is in exactly one state::
 
     state        ref_count   block hash   where
     free         0           none         the free heap (never used, or its content evicted)
-    evictable    0           yes          two LRUs, oldest first (below); still findable by its hash
+    evictable    0           yes          the LRU, oldest first; still findable by its hash
     owned        >= 1        maybe        bound by ``ref_count`` (request, ordinal) pairs
 
     take:     free ──────────────► owned       lowest ids first; then
-              evictable ─(evict)─► owned       the probation LRU's oldest first, then the protected's; hash dropped
-    pin:      evictable / owned ─► owned       a cache hit binds the page once more (its block is now "reused")
+              evictable ─(evict)─► owned       least recently used first, hash dropped
+    pin:      evictable / owned ─► owned       a cache hit binds the page once more
     release:  owned ─(last one)──► free        or evictable, when the page has a hash
     cache:    owned, no hash ────► owned, hash
-
-The keep policy (segmented LRU): an evictable block that some request hit
-after it was cached (a system prompt every question reuses, the slice blocks
-a generation worker keeps for it) waits in the protected LRU; one never hit,
-in the probation LRU, which is evicted first. A cyclic working set larger than
-the pool, which plain LRU evicts block by block just before each reuse (hit
-rate 0), then churns through probation while the reused blocks stay. The
-protected LRU holds at most ``max_protected`` pages (3/4 of the pool); past
-that its oldest is demoted to probation's newest end, so reuse that stopped
-does not hold pages forever::
-
-    evict order:  probation oldest .. newest | protected oldest .. newest
 
 ``num_free`` counts free and evictable pages: both can be taken, so a
 check-then-do (``count <= num_free``, then ``take(count)``) stays right.
@@ -53,16 +41,13 @@ class PagePool:
         self._ref_count = [0] * num_pages
         self._hash_of: list[bytes | None] = [None] * num_pages
         self._page_of: dict[bytes, int] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # probation: never hit since cached
-        self._protected: OrderedDict[int, None] = OrderedDict()  # hit at least once since cached
-        self._is_reused = [False] * num_pages
-        self.max_protected = max(1, 3 * num_pages // 4)
+        self._evictable: OrderedDict[int, None] = OrderedDict()
 
     # -- queries ---------------------------------------------------------
     @property
     def num_free(self) -> int:
         """Pages ``take`` can hand out: free plus evictable."""
-        return len(self._free_heap) + len(self._evictable) + len(self._protected)
+        return len(self._free_heap) + len(self._evictable)
 
     @property
     def num_empty(self) -> int:
@@ -77,7 +62,7 @@ class PagePool:
         return self._is_free[page]
 
     def is_evictable(self, page: int) -> bool:
-        return page in self._evictable or page in self._protected
+        return page in self._evictable
 
     def ref_count(self, page: int) -> int:
         return self._ref_count[page]
@@ -112,8 +97,6 @@ class PagePool:
         if self._hash_of[page] is None:
             raise ValueError(f"page {page} holds no cached block; only cached pages are shared")
         self._evictable.pop(page, None)
-        self._protected.pop(page, None)
-        self._is_reused[page] = True
         self._ref_count[page] += 1
 
     def release(self, pages: Iterable[int]) -> None:
@@ -127,7 +110,7 @@ class PagePool:
             if self._ref_count[page]:
                 continue
             if self._hash_of[page] is not None:
-                self._make_evictable(page)
+                self._evictable[page] = None  # most recently used end
             else:
                 self._is_free[page] = True
                 heapq.heappush(self._free_heap, page)
@@ -151,22 +134,10 @@ class PagePool:
         self._page_of[block_hash] = page
         return True
 
-    def _make_evictable(self, page: int) -> None:
-        """At the newest end of its LRU (module docstring: the keep policy)."""
-        if not self._is_reused[page]:
-            self._evictable[page] = None
-            return
-        self._protected[page] = None
-        while len(self._protected) > self.max_protected:
-            demoted, _ = self._protected.popitem(last=False)
-            self._evictable[demoted] = None
-
     def _evict_oldest(self) -> int:
-        lru = self._evictable if self._evictable else self._protected
-        page, _ = lru.popitem(last=False)
+        page, _ = self._evictable.popitem(last=False)
         del self._page_of[self._hash_of[page]]
         self._hash_of[page] = None
-        self._is_reused[page] = False
         return page
 
     # -- checks ----------------------------------------------------------
@@ -177,12 +148,12 @@ class PagePool:
             owners, count, name = num_owners.get(page, 0), self._ref_count[page], self._hash_of[page]
             if owners != count:
                 raise AssertionError(f"page {page}: ref_count {count} but {owners} bindings")
-            states = [self._is_free[page], self.is_evictable(page), count > 0]
+            states = [self._is_free[page], page in self._evictable, count > 0]
             if sum(states) != 1:
                 raise AssertionError(f"page {page}: free/evictable/owned = {states}, expected exactly one")
             if name is not None and self._page_of.get(name) != page:
                 raise AssertionError(f"page {page}: its hash {name.hex()} maps to {self._page_of.get(name)}")
-            if (self._is_free[page] or self.is_evictable(page)) and (name is None) != self._is_free[page]:
+            if (self._is_free[page] or page in self._evictable) and (name is None) != self._is_free[page]:
                 raise AssertionError(f"page {page}: unowned, free={self._is_free[page]}, hash={name}")
         if len(self._page_of) != sum(name is not None for name in self._hash_of):
             raise AssertionError("a cached hash names a page that does not hold it")
