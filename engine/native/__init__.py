@@ -32,9 +32,12 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _build_tag() -> str:
-    """The sources (headers included: torch's builder versions the listed sources only) and the CPU:
-    the build uses ``-march=native``, so a cache shared by two kinds of CPU must not mix their builds."""
+    """The sources (headers included: torch's builder versions the listed sources only), the CPU (the
+    build uses ``-march=native``, so a cache shared by two kinds of CPU must not mix their builds) and
+    the checkout's path: torch's build folder records its sources' paths, so two checkouts of the same
+    sources sharing one folder rebuilt it in turn, each under the other's lock (seen in session 13)."""
     digest = hashlib.sha1(platform.machine().encode())
+    digest.update(_HERE.encode())
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             digest.update(next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "").encode())
