@@ -30,6 +30,10 @@ reference-counted: a page bound by several requests is released once per
 binding, and a cached page nobody binds is evictable, not lost (pool.py).
 With ``enable_prefix_caching=False`` nothing is ever cached, and every call
 behaves as it did before the cache existed.
+
+This class keeps the requests and checks its callers' arguments; what each
+call does to one request's tables (which ordinals gain or lose pages) is in
+binding.py.
 """
 
 from __future__ import annotations
@@ -38,11 +42,11 @@ from collections.abc import KeysView, Mapping, Sequence
 
 import torch
 
+from kvcache import binding
 from kvcache.integrity import check_pools, rewind_refusal
 from kvcache.pool import PagePool
-from kvcache.prefix import cached_prefix_length, find_hit_pages, offer_blocks
+from kvcache.prefix import cached_prefix_length, offer_blocks
 from kvcache.request_blocks import RequestBlocks
-from kvcache.slicing import UNBOUND, stale_end
 from kvcache.spec import KVCacheSpec
 from kvcache.storage import PageStorage
 
@@ -147,14 +151,8 @@ class KVCacheManager:
         block_hashes: Sequence[bytes] = (),
     ) -> bool:
         """Whether ``allocate`` with the same arguments finds the pages: fresh ones plus evictable hits it pins."""
-        blocks, hits = self._plan(num_tokens, num_computed_tokens, draft_len, num_extra_kv_tokens,
-                                  include_drafts, block_hashes)
-        for name, pool in self.pools.items():
-            num_fresh = blocks.num_ordinals - blocks.first_bound[name] - len(hits[name])
-            num_pinned_evictable = sum(pool.is_evictable(page) for page in hits[name].values())
-            if num_fresh + num_pinned_evictable > pool.num_free:
-                return False
-        return True
+        return binding.has_room(self.pools, *self._plan(num_tokens, num_computed_tokens, draft_len,
+                                                        num_extra_kv_tokens, include_drafts, block_hashes))
 
     def allocate(
         self,
@@ -186,18 +184,12 @@ class KVCacheManager:
             raise MemoryError(f"not enough free pages for request {request_id!r}")
         blocks, hits = self._plan(num_tokens, num_computed_tokens, draft_len, num_extra_kv_tokens,
                                   include_drafts, block_hashes)
-        for name, pool in self.pools.items():
-            blocks.tables[name] = _bind(pool, blocks.first_bound[name], blocks.num_ordinals, hits[name])
-            blocks.cached_ordinals[name] = sorted(hits[name])
+        binding.bind_allocation(self.pools, blocks, hits)
         self._requests[request_id] = blocks
 
     # -- grow, shrink, release -------------------------------------------
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:
-        return self._fits(self._get(request_id), num_new_tokens)
-
-    def _fits(self, blocks: RequestBlocks, num_new_tokens: int) -> bool:
-        grow = blocks.ordinals_for(blocks.num_tokens + num_new_tokens) - blocks.num_ordinals
-        return all(grow <= pool.num_free for pool in self.pools.values())
+        return binding.can_grow(self.pools, self._get(request_id), num_new_tokens)
 
     def append(self, request_id: str, num_new_tokens: int) -> None:
         """Hold ``num_new_tokens`` more tokens, binding pages for the new tail ordinals."""
@@ -209,13 +201,9 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         blocks = self._get(request_id)
-        if not self._fits(blocks, num_new_tokens):
+        if not binding.can_grow(self.pools, blocks, num_new_tokens):
             return False
-        new_len = blocks.ordinals_for(blocks.num_tokens + num_new_tokens)
-        for name, pool in self.pools.items():
-            table = blocks.tables[name]
-            table.extend(pool.take(new_len - len(table)))
-        blocks.num_tokens += num_new_tokens
+        binding.grow(self.pools, blocks, num_new_tokens)
         return True
 
     def release_stale(self, request_id: str, num_computed_tokens: int) -> int:
@@ -228,17 +216,7 @@ class KVCacheManager:
         # Accepted drafts are computed before append() commits them: up to capacity is valid.
         if not 0 <= num_computed_tokens <= blocks.capacity:
             raise ValueError(f"num_computed_tokens={num_computed_tokens} outside [0, {blocks.capacity}]")
-        released = 0
-        for group in self.spec.groups:
-            end = min(stale_end(num_computed_tokens, group.window, self.spec.tokens_per_block), blocks.num_ordinals)
-            table, start = blocks.tables[group.name], blocks.first_bound[group.name]
-            if end <= start:
-                continue
-            self.pools[group.name].release(table[start:end])
-            table[start:end] = [UNBOUND] * (end - start)
-            blocks.first_bound[group.name] = end
-            released += end - start
-        return released
+        return binding.release_stale(self.spec, self.pools, blocks, num_computed_tokens)
 
     def can_rewind(self, request_id: str, num_tokens: int) -> bool:
         return rewind_refusal(self.spec, self.pools, request_id, self._get(request_id), num_tokens) is None
@@ -253,15 +231,7 @@ class KVCacheManager:
         refusal = rewind_refusal(self.spec, self.pools, request_id, self._get(request_id), num_tokens)
         if refusal is not None:
             raise ValueError(refusal)
-        blocks = self._get(request_id)
-        new_len = blocks.ordinals_for(num_tokens)
-        for name, pool in self.pools.items():
-            table = blocks.tables[name]
-            pool.release([page for page in reversed(table[new_len:]) if page >= 0])
-            del table[new_len:]
-            blocks.first_bound[name] = min(blocks.first_bound[name], new_len)
-        blocks.num_tokens = num_tokens
-        blocks.num_offered_blocks = min(blocks.num_offered_blocks, num_tokens // self.spec.tokens_per_block)
+        binding.shrink(self.pools, self._get(request_id), num_tokens)
 
     def free(self, request_id: str) -> None:
         """Drop every binding of the request. Freeing an unknown request is a no-op.
@@ -291,21 +261,7 @@ class KVCacheManager:
     def _plan(
         self, num_tokens: int, num_computed_tokens: int, draft_len: int, num_extra: int,
         include_drafts: bool, block_hashes: Sequence[bytes],
-    ) -> tuple[RequestBlocks, dict[str, dict[int, int]]]:
-        """A new request's sizes and first bound ordinals (tables still empty), and its cache hits."""
-        B = self.spec.tokens_per_block
-        blocks = RequestBlocks(num_tokens, draft_len, num_extra, include_drafts, B)
-        blocks.first_bound = {g.name: min(stale_end(num_computed_tokens, g.window, B), blocks.num_ordinals)
-                              for g in self.spec.groups}
-        return blocks, find_hit_pages(self.pools, blocks.first_bound, num_computed_tokens // B, block_hashes)
-
-
-def _bind(pool: PagePool, first: int, num_ordinals: int, hits: Mapping[int, int]) -> list[int]:
-    """``[-1] * first``, then per ordinal its cached page or a fresh one.
-
-    Hits are pinned before fresh pages are taken, so taking cannot evict them.
-    """
-    for page in hits.values():
-        pool.pin(page)
-    fresh = iter(pool.take(num_ordinals - first - len(hits)))
-    return [UNBOUND] * first + [hits[i] if i in hits else next(fresh) for i in range(first, num_ordinals)]
+    ) -> tuple[RequestBlocks, binding.Hits]:
+        """:func:`binding.plan_allocation` over this manager's pools."""
+        return binding.plan_allocation(self.spec, self.pools, num_tokens, num_computed_tokens, draft_len, num_extra,
+                                       include_drafts, block_hashes)
