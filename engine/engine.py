@@ -8,7 +8,9 @@
                     └───────────── KVCacheManager (pages, windows) ◄──────┘
 
 As nano-vllm's ``step``: schedule, run, postprocess; ``_advance`` is the one
-place a request ends, and ``abort`` the one way in from outside.
+place a request ends, and ``abort`` the one way in from outside. Drafting and
+verifying are ``engine.speculation``'s; a request's updates come from its
+``StopChecker`` (``take_update``).
 
 Disaggregation has two entry points. The context side's ``prefill`` runs a
 prompt to its handoff (``engine.handoff``: its first output with visible text,
@@ -28,20 +30,19 @@ import time
 
 import torch
 
-from engine.batch_sampling import sample_batch, seed_for_output
+from engine.batch_sampling import sample_batch
 from engine.config import EngineConfig, max_model_len
-from engine.draft_policy import DraftLengthPolicy
-from engine.drafter import make_drafter
 from engine.handoff import is_handoff_due, prefill_result, reused_tokens
 from engine.host_memory import keep_freed_memory
 from engine.layout import kv_cache_spec
-from engine.outputs import FinishReason, PrefillResult, RequestUpdate, TokenLogprob, num_kv_tokens
+from engine.outputs import FinishReason, RequestUpdate, TokenLogprob, num_kv_tokens
 from engine.params import SamplingParams
 from engine.reports import engine_stats, routing_stats
 from engine.request import Request
 from engine.runner import ModelRunner, RunOutput, static_runner_for
-from engine.sampler import Sampler, VerifyResult
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig
+from engine.speculation import Speculation
 from engine.stopping import StopChecker
 from engine.tokenizer import IncrementalDecoder
 from engine.worker_model import WorkerModel
@@ -66,24 +67,22 @@ class LLMEngine:
         self.manager = KVCacheManager(spec, config.num_pages, device=self.model.device,
                                       enable_prefix_caching=config.enable_prefix_caching)
         self.hash_extra = kv_fingerprint(spec, config.model)
-        is_drafting = config.max_draft_len > 0 and role != "context"
-        drafter = make_drafter(config.drafter, config.max_draft_len) if is_drafting else None
-        self.drafter = drafter
+        self.sampler = Sampler()
+        self.speculation = Speculation(config, is_drafting=role != "context", sampler=self.sampler)
+        self.draft_len = self.speculation.draft_len
+        self.num_extra_kv_tokens = self.speculation.num_extra_kv_tokens
         self.max_model_len = max_model_len(config, self.model.max_position_embeddings, draft_len=self.draft_len,
                                            num_extra_kv_tokens=self.num_extra_kv_tokens)
-        policy = DraftLengthPolicy(self.draft_len) if drafter else None
-        self.scheduler = Scheduler(self._scheduler_config(), self.manager, self._propose if drafter else None, policy)
+        propose = self.speculation.propose if self.speculation.drafter else None
+        self.scheduler = Scheduler(self._scheduler_config(), self.manager, propose, self.speculation.policy)
         static = static_runner_for(config, self.model.module, self.manager, self.model.device,
                                    max_model_len=self.max_model_len, draft_len=self.draft_len,
                                    num_extra_kv_tokens=self.num_extra_kv_tokens)
         self.runner = ModelRunner(self.model.module, self.manager, self.model.device, static)
-        self.sampler = Sampler()
         self._requests: dict[str, Request] = {}
         self._stoppers: dict[str, StopChecker] = {}
         self._arrivals = itertools.count()
         self._seeds = random.Random(config.seed)
-        self.num_drafts_proposed = 0
-        self.num_drafts_accepted = 0
         self.num_transfer_queried_tokens = 0  # generation side: prompt tokens it reserved for a transfer
         self.num_transfer_hit_tokens = 0  # ... whose KV it already held
 
@@ -98,16 +97,12 @@ class LLMEngine:
         )
 
     @property
-    def draft_len(self) -> int:
-        return self.drafter.max_draft_len if self.drafter else 0
+    def num_drafts_proposed(self) -> int:
+        return self.speculation.num_drafts_proposed
 
     @property
-    def num_extra_kv_tokens(self) -> int:
-        declared = self.drafter.num_extra_kv_tokens if self.drafter else 0
-        return declared + self.config.num_extra_kv_tokens
-
-    def _propose(self, request: Request, max_len: int) -> list[int]:
-        return self.drafter.propose(request.all_token_ids, max_len) if max_len > 0 else []
+    def num_drafts_accepted(self) -> int:
+        return self.speculation.num_drafts_accepted
 
     # -- adding requests ---------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -221,26 +216,11 @@ class LLMEngine:
                 self.manager.release_stale(request.request_id, request.num_computed_tokens)
             elif item.draft_token_ids:
                 verified = output.samples.verified[i] if output.samples else None
-                updates.append(self._advance(request, *self._verify(item, output.logits[span[0]:span[1]], verified)))
+                rows = output.logits[span[0]:span[1]]
+                updates.append(self._advance(request, *self.speculation.verify(item, rows, verified)))
             else:
                 updates.append(self._advance(request, [sampled.token_ids[i]], [sampled.logprobs[i]]))
         return [update for update in updates if update is not None]
-
-    def _verify(self, item: ScheduledRequest, rows: torch.Tensor,
-                result: VerifyResult | None) -> tuple[list[int], list[TokenLogprob | None]]:
-        """The verified drafts plus one token (``result``: verified on the device already)."""
-        request = item.request
-        if result is None:
-            result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator,
-                                         reseed=lambda row: seed_for_output(request, ahead=row))
-        request.num_drafts_proposed += len(item.draft_token_ids)
-        request.num_drafts_accepted += result.num_accepted
-        if self.scheduler.draft_policy is not None:
-            self.scheduler.draft_policy.record_verify(len(item.draft_token_ids), result.num_accepted)
-        self.num_drafts_proposed += len(item.draft_token_ids)
-        self.num_drafts_accepted += result.num_accepted
-        request.num_computed_tokens += result.num_accepted
-        return result.token_ids, result.logprobs
 
     def _advance(self, request: Request, token_ids: list[int],
                  logprobs: list[TokenLogprob | None]) -> RequestUpdate | None:
@@ -259,9 +239,9 @@ class LLMEngine:
         self._cache_computed(request)
         if request.prefill_only and is_handoff_due(request, stopper.hold_back, reason):
             self.scheduler.park(request)  # its one update: every output so far
-            return self._update(request, None, prefill_result(request, self.manager, reason))
+            return stopper.take_update(None, prefill_result(request, self.manager, reason))
         is_quiet = request.prefill_only or (request.is_replaying and reason is None)  # one update for all k
-        update = None if is_quiet else self._update(request, reason)
+        update = None if is_quiet else stopper.take_update(reason)
         if reason is not None:
             self._finish(request, reason)
         else:
@@ -278,26 +258,6 @@ class LLMEngine:
         # Accepted drafts are computed before the manager holds them (the next schedule appends them).
         num_held = min(request.num_computed_tokens, self.manager.num_tokens(request.request_id))
         self.manager.cache_blocks(request.request_id, request.block_hashes, num_held)
-
-    def _update(self, request: Request, reason: FinishReason | None,
-                prefill: PrefillResult | None = None) -> RequestUpdate:
-        """The outputs since the request's previous update (all of them in its first)."""
-        stopper, before = self._stoppers[request.request_id], request.num_emitted_tokens
-        request.num_emitted_tokens = request.num_output_tokens
-        is_finished = (prefill.finish_reason if prefill is not None else reason) is not None  # parked != finished
-        return RequestUpdate(
-            request_id=request.request_id,
-            new_token_ids=request.output_token_ids[before:],
-            new_text=stopper.new_text(is_finished),
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            finish_reason=reason,
-            logprobs=request.output_logprobs[before:] if request.params.logprobs is not None else None,
-            num_drafts_proposed=request.num_drafts_proposed,
-            num_drafts_accepted=request.num_drafts_accepted,
-            num_cached_tokens=request.num_cached_tokens,
-            prefill=prefill,
-        )
 
     # -- ending ----------------------------------------------------------
     def abort(self, request_id: str) -> bool:

@@ -1,8 +1,8 @@
-"""Stop conditions and streamed text for one request."""
+"""Stop conditions and streamed text for one request, and the updates that carry them."""
 
 from __future__ import annotations
 
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, PrefillResult, RequestUpdate
 from engine.request import Request
 from engine.tokenizer import IncrementalDecoder
 
@@ -61,3 +61,22 @@ class StopChecker:
         piece = request.text[len(request.emitted_text):end]
         request.emitted_text += piece
         return piece
+
+    def take_update(self, reason: FinishReason | None, prefill: PrefillResult | None = None) -> RequestUpdate:
+        """The outputs since the request's previous update (all of them in its first)."""
+        request, before = self.request, self.request.num_emitted_tokens
+        request.num_emitted_tokens = request.num_output_tokens
+        is_finished = (prefill.finish_reason if prefill is not None else reason) is not None  # parked != finished
+        return RequestUpdate(
+            request_id=request.request_id,
+            new_token_ids=request.output_token_ids[before:],
+            new_text=self.new_text(is_finished),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            finish_reason=reason,
+            logprobs=request.output_logprobs[before:] if request.params.logprobs is not None else None,
+            num_drafts_proposed=request.num_drafts_proposed,
+            num_drafts_accepted=request.num_drafts_accepted,
+            num_cached_tokens=request.num_cached_tokens,
+            prefill=prefill,
+        )
