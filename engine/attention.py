@@ -1,4 +1,4 @@
-"""The attention kernels over the buckets ``engine.attention_plan`` builds: write the new
+"""The attention kernels over the buckets ``engine.attention_plan`` plans (``engine.attention_buckets``): write the new
 tokens' K/V into their pages, gather each bucket's keys, one fused kernel call per bucket."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.attention_plan import AttentionBucket, GroupAttention
+from engine.attention_buckets import AttentionBucket
+from engine.attention_plan import GroupAttention
 from engine.native import paged_decode_kernel, write_kv_kernel
 
 # Key columns of one block of the CPU flash-attention kernel (kvSplitSize in ATen).

@@ -21,24 +21,13 @@ keys (a short prompt), and every query of a layer whose window is at most
 ``_MAX_IN_PLACE_WINDOW``, is attended *in place* when the native kernel
 is built (``engine.native``): it reads each key of its window from the page
 table directly, nothing gathered, no mask (:class:`InPlaceQueries`). The others
-are attended in padded *buckets* (decode steps together, a long
+are attended in padded *buckets* (``engine.attention_buckets``: decode steps together, a long
 prefill chunk on its own) so no layer loops over requests one by one; in a
 sliding-window group a long chunk is first cut into tiles of max(W, 32)
-queries, each read as a request of its own (:func:`_window_tiles`).
-
-A *causal* bucket holds fresh prompts (first new token at position 0, no wider
-than the window): their keys are this step's own K/V rows, in order, so nothing
-is gathered from the pages and the kernel's causal mode skips the blocks above
-the diagonal (float32: bit-identical to the explicit mask over the same keys,
-1.9x faster at 1,024 queries). On the CPU in float32, a long chunk after a
-prefix (``a > 0``, at least ``_MIN_SPLIT_QUERIES`` new tokens, no window in the
-way) is a causal bucket of its own with a *prefix*: every query also attends all
-of positions ``[0, a)``, read from the pages, in a second kernel call without a
-mask; the two are merged by their logsumexps (1.3-1.6x faster than one masked
-call over ``[0, S)`` at 1,024 queries)::
-
-    causal bucket    key column c of row i = new token query_rows[i, c]; query j reads c <= j
-    with prefix a    + positions 0 .. a-1 from pages block_rows (ordinals 0 .. (a-1)//B), all read
+queries, each read as a request of its own (:func:`_window_tiles`). Fresh prompts
+no wider than the window are *causal* buckets (their keys are the step's own new
+K/V rows) and, on the CPU in float32, so is a chunk of at least ``_MIN_SPLIT_QUERIES``
+new tokens after a prefix (the prefix read from the pages apart: :func:`_kinds`).
 """
 
 from __future__ import annotations
@@ -48,19 +37,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.attention_buckets import (
+    AttentionBucket,
+    as_tensors,
+    bucket_to_device,
+    build_causal_bucket,
+    build_masked_bucket,
+    build_split_bucket,
+    plan_buckets_of,
+    raise_unbound,
+)
 from engine.forward import ForwardBatch
 from engine.native import paged_decode_kernel
 
-# A bucket costs about ``members x max key x (max query + _KEY_COST_ROWS)`` score units: each
-# key is gathered (two page copies, zeroed where dead) whatever the queries, and that costs
-# about as much as 8 query rows' scores (measured on the CPU, 3 KV heads x 64). Padding may
-# reach _BUCKET_WASTE x the real cost plus _BUCKET_SLACK (about one more bucket's dozen op
-# calls per layer). Decode steps are all key cost: padding 32 decodes of 50-270 keys to the
-# longest read 1.7x their keys, which fell out of cache (8.6 ms per layer in one bucket,
-# 4.5 ms in buckets of similar lengths).
-_KEY_COST_ROWS = 8
-_BUCKET_WASTE = 1.25
-_BUCKET_SLACK = 1 << 11
 # Fewest queries of a sliding-window tile (see _window_tiles).
 _MIN_TILE = 32
 # Fewest new tokens of a chunk after a prefix read in two kernel calls (causal + prefix): below
@@ -78,28 +67,6 @@ _MAX_IN_PLACE_SCORES = 256 * 256
 # W keys at most). Whole runs, kernel vs tiles, alternated: window 32 (windserve-tiny) 1.07x faster,
 # window 128 (gptoss-mid) 0.97x.
 _MAX_IN_PLACE_WINDOW = 64
-
-@dataclass(frozen=True)
-class AttentionBucket:
-    """Requests attended together, padded to ``R x Q`` queries and ``R x K`` keys (``K = blocks * B``).
-
-    Keys are read a whole page at a time: request r's key ``j`` is position
-    ``first_block[r] * B + j``. Rows nobody attends (before the window, past
-    ``S - 1``, padding) are zeroed after the gather so leftover NaN/inf in a
-    page cannot leak through a zero attention weight.
-
-    A causal bucket (``mask is None``) has the new tokens ``query_rows`` as keys
-    (``K = Q``), and query ``j`` attends columns ``0..j``; with ``prefix_len = a > 0``
-    (one request) every query also attends positions ``0..a-1``, from pages ``block_rows``.
-    """
-
-    query_rows: torch.Tensor  # [R, Q] rows of the N new tokens; padding repeats the last one
-    block_rows: torch.Tensor  # [R * blocks] page id * (layers_in_group * 2): row of layer 0's K in the page view
-    mask: torch.Tensor | None  # [R, Q, K] bool, True = attend; None: causal over the new tokens
-    dead_keys: torch.Tensor  # [M] rows of the flattened R*K keys that no query attends
-    out_rows: torch.Tensor  # [M'] rows of the flattened R*Q output that are real queries
-    out_tokens: torch.Tensor  # [M'] the rows among the N tokens they belong to
-    prefix_len: int = 0  # causal bucket: positions before the chunk that every query reads too
 
 
 @dataclass(frozen=True)
@@ -128,26 +95,6 @@ class GroupAttention:
     in_place: InPlaceQueries | None = None
 
 
-def plan_buckets(query_lens: list[int], key_lens: list[int]) -> list[list[int]]:
-    """Group request indices, sorted by (query, key) length, so that each group's padded cost
-    ``members x max key x (max query + _KEY_COST_ROWS)`` stays within ``_BUCKET_WASTE`` x its
-    real cost (``sum key x (query + _KEY_COST_ROWS)``) plus ``_BUCKET_SLACK``."""
-    order = sorted(range(len(query_lens)), key=lambda r: (query_lens[r], key_lens[r]))
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    max_q = max_k = work = 0
-    for r in order:
-        q, k = query_lens[r] + _KEY_COST_ROWS, key_lens[r]
-        new_q, new_k, new_work = max(max_q, q), max(max_k, k), work + q * k
-        if current and (len(current) + 1) * new_q * new_k > _BUCKET_WASTE * new_work + _BUCKET_SLACK:
-            buckets.append(current)
-            current, new_q, new_k, new_work = [], q, k, q * k
-        current.append(r)
-        max_q, max_k, work = new_q, new_k, new_work
-    buckets.append(current)
-    return buckets
-
-
 def _padded_table(tables: list[list[int]], min_width: int) -> np.ndarray:
     width = max(min_width, max(len(t) for t in tables))
     table = np.full((len(tables), width), -1, dtype=np.int64)
@@ -156,77 +103,12 @@ def _padded_table(tables: list[list[int]], min_width: int) -> np.ndarray:
     return table
 
 
-def _raise_unbound(pages: np.ndarray, valid: np.ndarray | None, group: str, what: str) -> None:
-    """Refuse a read (or write) of an unbound ordinal: ``pages`` where ``valid`` (everywhere: None)."""
-    unbound = pages < 0 if valid is None else (pages < 0) & valid
-    if unbound.any():
-        raise ValueError(f"layer group {group!r}: {what} needs an unbound (-1) block-table ordinal "
-                         f"(at {np.argwhere(unbound)[0].tolist()})")
-
-
-def _build_bucket(members, per_request, table, block_size, window, group, page_rows) -> AttentionBucket:
-    """``per_request``: arrays indexed by request
-    (query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets)."""
-    rows = np.asarray(members)
-    query_lens, query_starts, seq_lens, first_blocks, num_blocks, offsets = (
-        values[rows][:, None] for values in per_request
-    )
-    q_idx = np.arange(query_lens.max())[None]
-    q_valid, q_idx = q_idx < query_lens, np.minimum(q_idx, query_lens - 1)
-    b_idx = np.arange(num_blocks.max())[None]
-    pages = table[rows[:, None], first_blocks + np.minimum(b_idx, num_blocks - 1)]
-    _raise_unbound(pages, b_idx < num_blocks, group, "attention")
-    k_pos = first_blocks * block_size + np.arange(b_idx.shape[1] * block_size)[None]
-    q_pos, query_rows = query_starts + q_idx, offsets + q_idx
-    mask = k_pos[:, None, :] <= q_pos[:, :, None]  # padding keys lie past S - 1: causality drops them
-    if window is not None:
-        mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    dead_keys = np.flatnonzero(~mask.any(axis=1))
-    out_rows = np.flatnonzero(q_valid)
-    return AttentionBucket(*_tensors(query_rows, (pages * page_rows).ravel(), mask, dead_keys, out_rows,
-                                     query_rows.ravel()[out_rows]))
-
-
-def _build_causal_bucket(members, query_lens, offsets) -> AttentionBucket:
-    """Fresh prompts: queries (and keys) are each request's new tokens, padded with its last one."""
-    rows = np.asarray(members)
-    query_lens, offsets = query_lens[rows][:, None], offsets[rows][:, None]
-    q_idx = np.arange(query_lens.max())[None]
-    query_rows = offsets + np.minimum(q_idx, query_lens - 1)
-    out_rows = np.flatnonzero(q_idx < query_lens)
-    none = np.zeros(0, dtype=np.int64)
-    return AttentionBucket(*_tensors(query_rows, none, None, none, out_rows, query_rows.ravel()[out_rows]))
-
-
-def _build_split_bucket(r, query_lens, query_starts, offsets, table, block_size, group, page_rows):
-    """A chunk after ``a`` cached tokens: causal over its own keys, plus every position of ``[0, a)``."""
-    a, num_queries, offset = int(query_starts[r]), int(query_lens[r]), int(offsets[r])
-    pages = table[r, : (a - 1) // block_size + 1]
-    _raise_unbound(pages, None, group, "attention")
-    query_rows = np.arange(offset, offset + num_queries)[None]
-    none = np.zeros(0, dtype=np.int64)
-    return AttentionBucket(*_tensors(query_rows, pages * page_rows, None, none, np.arange(num_queries),
-                                     query_rows[0]), prefix_len=a)
-
-
 def _build_in_place(units, query_lens, seq_lens, first_blocks, offsets, table, block_size, group) -> InPlaceQueries:
     rows = np.asarray(units)
     pages, columns = table[rows], np.arange(table.shape[1])[None]
     read = (columns >= first_blocks[rows, None]) & (columns <= (seq_lens[rows, None] - 1) // block_size)
-    _raise_unbound(pages, read, group, "attention")
-    return InPlaceQueries(*_tensors(offsets[rows], query_lens[rows], seq_lens[rows], pages))
-
-
-def _tensors(*arrays: np.ndarray | None) -> tuple[torch.Tensor | None, ...]:
-    return tuple(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
-
-
-def _plan(indices: np.ndarray, query_lens: np.ndarray, key_lens: np.ndarray) -> list[list[int]]:
-    """:func:`plan_buckets` over the requests ``indices`` only; buckets of their indices."""
-    if not len(indices):
-        return []
-    chosen = plan_buckets(query_lens[indices].tolist(), key_lens[indices].tolist())
-    return [indices[bucket].tolist() for bucket in chosen]
+    raise_unbound(pages, read, group, "attention")
+    return InPlaceQueries(*as_tensors(offsets[rows], query_lens[rows], seq_lens[rows], pages))
 
 
 def build_group_attention(
@@ -247,7 +129,7 @@ def build_group_attention(
     positions = (batch.positions if batch.positions.device.type == "cpu" else batch.expected_positions()).numpy()
     requests = np.repeat(np.arange(batch.num_requests), query_lens)
     write_pages = table[requests, positions // block_size]
-    _raise_unbound(write_pages, None, group, "a KV write")
+    raise_unbound(write_pages, None, group, "a KV write")
     write_rows = write_pages * page_rows * block_size + positions % block_size
     write_rows = torch.from_numpy(write_rows).to(device)
     if window is None:
@@ -261,16 +143,16 @@ def build_group_attention(
     is_in_place = _in_place(query_lens, seq_lens, window) & (can_split and paged_decode_kernel() is not None)
     paged, causal, split = (kind[~is_in_place[kind]] for kind in _kinds(query_lens, query_starts, seq_lens,
                                                                           window, can_split))
-    buckets = [_build_bucket(members, per_request, table, block_size, window, group, page_rows)
-               for members in _plan(paged, query_lens, num_blocks * block_size)]
-    buckets += [_build_causal_bucket(members, query_lens, offsets)
-                for members in _plan(causal, query_lens, query_lens)]
-    buckets += [_build_split_bucket(r, query_lens, query_starts, offsets, table, block_size, group, page_rows)
+    buckets = [build_masked_bucket(members, per_request, table, block_size, window, group, page_rows)
+               for members in plan_buckets_of(paged, query_lens, num_blocks * block_size)]
+    buckets += [build_causal_bucket(members, query_lens, offsets)
+                for members in plan_buckets_of(causal, query_lens, query_lens)]
+    buckets += [build_split_bucket(r, query_lens, query_starts, offsets, table, block_size, group, page_rows)
                 for r in split]
     units = np.flatnonzero(is_in_place)
     in_place = _build_in_place(units, query_lens, seq_lens, first_blocks, offsets, table, block_size,
                                group) if len(units) else None
-    return GroupAttention(window, write_rows, tuple(_to_device(b, device) for b in buckets), in_place)
+    return GroupAttention(window, write_rows, tuple(bucket_to_device(b, device) for b in buckets), in_place)
 
 
 def _build_decode(batch: ForwardBatch, group: str, window: int | None, page_rows: int) -> GroupAttention:
@@ -286,14 +168,14 @@ def _build_decode(batch: ForwardBatch, group: str, window: int | None, page_rows
         for position in range(seq_len - num_queries, seq_len):
             page = table[position // block]
             if page < 0:
-                _raise_unbound(np.array([page]), None, group, f"a KV write (token {token})")
+                raise_unbound(np.array([page]), None, group, f"a KV write (token {token})")
             write_rows.append(page * page_rows * block + position % block)
             token += 1
         first = 0 if window is None else max(0, seq_len - num_queries - window + 1) // block
         read = table[first:(seq_len - 1) // block + 1]
         if min(read) < 0:
-            _raise_unbound(np.array([read]), None, group, f"attention (request {r}, from block {first})")
-    in_place = InPlaceQueries(*_tensors(*(np.array(v, dtype=np.int64)
+            raise_unbound(np.array([read]), None, group, f"attention (request {r}, from block {first})")
+    in_place = InPlaceQueries(*as_tensors(*(np.array(v, dtype=np.int64)
                                           for v in (first_rows, batch.query_lens, batch.seq_lens, padded))))
     return GroupAttention(window, torch.from_numpy(np.array(write_rows, dtype=np.int64)), (), in_place)
 
@@ -333,6 +215,3 @@ def _window_tiles(query_lens, query_starts, offsets, window):
     return np.minimum(tile, query_lens[units] - skip), query_starts[units] + skip, offsets[units] + skip, units
 
 
-def _to_device(bucket: AttentionBucket, device: torch.device | str) -> AttentionBucket:
-    return AttentionBucket(*(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
-                             for t in vars(bucket).values()))

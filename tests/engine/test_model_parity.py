@@ -13,8 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import engine.attention_plan
-from engine.attention_plan import plan_buckets
+import engine.attention_buckets
+from engine.attention_buckets import plan_buckets
 from engine.layout import kv_cache_spec, layer_slots
 from engine.models import MODEL_REGISTRY, build_model
 from engine.models.decoder import fuse_projections
@@ -75,9 +75,9 @@ def test_greedy_tokens_match_generate(pair):
     assert greedy(ours, PagedKV.for_config(config, 4), tokens, 32) == expected.tolist()
 
 
-@pytest.mark.parametrize("bucket_slack", [engine.attention_plan._BUCKET_SLACK, 0])  # 0: one bucket per request
+@pytest.mark.parametrize("bucket_slack", [engine.attention_buckets._BUCKET_SLACK, 0])  # 0: one bucket per request
 def test_batched_forward_equals_each_alone(pair, bucket_slack, monkeypatch):
-    monkeypatch.setattr(engine.attention_plan, "_BUCKET_SLACK", bucket_slack)
+    monkeypatch.setattr(engine.attention_buckets, "_BUCKET_SLACK", bucket_slack)
     _, _, ours, config = pair
     histories = [prompt(13, 3), prompt(16, 4), prompt(18, 5)]
     cached = [0, 10, 17]  # request 0: whole prompt; 1: a chunk after 10 cached tokens; 2: a decode step
