@@ -4,11 +4,11 @@ Every page is in exactly one state::
 
     state        ref_count   block hash   where
     free         0           none         the free heap (never used, or its content evicted)
-    evictable    0           yes          the LRU, oldest first; still findable by its hash
+    evictable    0           yes          the eviction queue (below); still findable by its hash
     owned        >= 1        maybe        bound by ``ref_count`` (request, ordinal) pairs
 
     take:     free ──────────────► owned       lowest ids first; then
-              evictable ─(evict)─► owned       least recently used first, hash dropped
+              evictable ─(evict)─► owned       the queue's front first, hash dropped
     pin:      evictable / owned ─► owned       a cache hit binds the page once more
     release:  owned ─(last one)──► free        or evictable, when the page has a hash
     cache:    owned, no hash ────► owned, hash
@@ -32,11 +32,15 @@ One ``release`` call is one batch. A cold batch keeps its own order at the
 front, so a request released tail first still loses its tail before its head
 (a shorter prefix hit survives). New blocks that are never hit evict each
 other and leave the resident ones alone: the cyclic working set keeps M - 1
-prefixes resident and hits them every cycle. Without the admitted batches the
+prefixes resident (M - 1, not M: the missing prefix's own pages take the
+M-th slot) and hits them every cycle. Without the admitted batches the
 resident set could never change (a new working set would only ever evict
 itself); with them, each admitted batch pushes out the least recently used
 resident one, so an old working set ages out within about
-``KEEP_HOT_PERIOD`` cold batches per resident prefix.
+``KEEP_HOT_PERIOD`` cold batches per resident prefix. The price, stated
+because it refines "every cycle": the pushed-out prefix misses once, so a
+cycle holding or following an admission may hit one prefix fewer per admission;
+the admitted one is hit from then on in its place.
 """
 
 from __future__ import annotations
