@@ -23,11 +23,15 @@ from pydantic import ConfigDict, Field, TypeAdapter, field_validator
 from pydantic.dataclasses import dataclass
 
 from actors.config import WorkerConfig
-from engine.config import check_at_least, max_model_len
+from engine.config import EVICTION_POLICIES, check_at_least, max_model_len
 from engine.model_registry import short_model_name
 
 API_KEY_ENV = "WINDSERVE_API_KEY"
 ROLE_PAGES = {"context": "context_num_pages", "generation": "generation_num_pages"}
+ROLE_EVICTION = {"context": "context_eviction", "generation": "generation_eviction"}
+# A generation replica's cache sees the same slices come back in cycles (keep-hot resists them);
+# a context replica's sees every new prompt first (plain LRU).
+ROLE_EVICTION_DEFAULT = {"context": "lru", "generation": "keep-hot"}
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -46,7 +50,10 @@ class AppConfig(WorkerConfig):
     ``context_num_pages`` / ``generation_num_pages`` (disagg): pages per layer group of each
     context / generation worker, sized apart (a context worker holds prompts until their
     transfer; a generation worker holds the windowed slices it decodes from and keeps the hot
-    ones cached); None: ``num_pages``.
+    ones cached); None: ``num_pages``. ``context_eviction`` / ``generation_eviction`` (disagg):
+    each role's cache eviction (kvcache.pool: ``"lru"`` or ``"keep-hot"``); None: the role's
+    default, ``"lru"`` for context, ``"keep-hot"`` for generation. ``eviction`` is the
+    aggregated worker's.
     """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
@@ -56,6 +63,8 @@ class AppConfig(WorkerConfig):
     local_prefill_max_tokens: int = 0
     context_num_pages: int | None = None
     generation_num_pages: int | None = None
+    context_eviction: str | None = None
+    generation_eviction: str | None = None
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -77,8 +86,26 @@ class AppConfig(WorkerConfig):
                 if self.mode != "disagg":
                     raise ValueError(f"{name} sizes a disagg role; mode '{self.mode}' takes num_pages only")
                 check_at_least(self, (name,), 1)
+        self._check_eviction()
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must be non-empty (leave it unset for the model's short name)")
+
+    def _check_eviction(self) -> None:
+        if self.mode == "disagg" and self.eviction != "lru":
+            raise ValueError("eviction sets an aggregated worker's cache; mode 'disagg' takes "
+                             "context_eviction / generation_eviction")
+        for name in ROLE_EVICTION.values():
+            value = getattr(self, name)
+            if value is not None and self.mode != "disagg":
+                raise ValueError(f"{name} sets a disagg role's cache; mode '{self.mode}' takes eviction only")
+            if value is not None and value not in EVICTION_POLICIES:
+                raise ValueError(f"{name} must be one of {list(EVICTION_POLICIES)}, got {value!r}")
+
+    def role_eviction(self, role: str | None) -> str:
+        """The eviction of ``role``'s workers: its own field, else its default; ``eviction`` outside a role."""
+        if role not in ROLE_EVICTION:
+            return self.eviction
+        return getattr(self, ROLE_EVICTION[role]) or ROLE_EVICTION_DEFAULT[role]
 
     @property
     def served_model(self) -> str:
@@ -93,10 +120,11 @@ class AppConfig(WorkerConfig):
 
     def to_worker_config(self, role: str | None = None) -> WorkerConfig:
         """The workers' part: a plain WorkerConfig (the API key stays with the ingress); for ``role``
-        ("context", "generation") with that role's ``num_pages``."""
+        ("context", "generation") with that role's ``num_pages`` and ``eviction``."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(WorkerConfig)}
         role_pages = getattr(self, ROLE_PAGES[role]) if role in ROLE_PAGES else None
-        return WorkerConfig(**(fields | {"num_pages": role_pages or self.num_pages}))
+        role_fields = {"num_pages": role_pages or self.num_pages, "eviction": self.role_eviction(role)}
+        return WorkerConfig(**(fields | role_fields))
 
     def serving_max_model_len(self, model_path: str) -> int:
         """The longest prompt + output the workers accept (``engine.config.max_model_len``)."""

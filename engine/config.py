@@ -19,6 +19,7 @@ import torch
 
 from engine.drafter import make_drafter
 from kvcache import get_kv_capacity_tokens
+from kvcache.pool import EVICTION_POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none")  # auto: GGUF weights as the file stores them; none: dequantized at load
@@ -77,6 +78,8 @@ class EngineConfig:
     ``quantization`` ``"auto"`` keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 weights in their
     blocks (float32 activations on the CPU; engine.models.quantized); ``"none"``
     dequantizes every weight to ``dtype`` at load. Other models ignore it.
+    ``eviction`` orders the evictable cached pages (kvcache.pool): ``"lru"``, or ``"keep-hot"``
+    (pages never hit are evicted before those that served a hit; resists a cyclic working set).
     ``use_static_buffers`` runs decode and verify steps over fixed buffers with device sampling
     (engine.gpu; None: on CUDA only, True forces it, eagerly, on the CPU too); there
     ``enforce_eager`` (vLLM's name) turns CUDA graphs off. The CPU never captures graphs.
@@ -95,6 +98,7 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     enable_prefix_caching: bool = True
+    eviction: str = "lru"
     quantization: str = "auto"
     use_static_buffers: bool | None = None
     enforce_eager: bool = False
@@ -104,6 +108,8 @@ class EngineConfig:
             raise ValueError("model must be non-empty")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {list(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.dtype not in (*DTYPES, "auto"):
             raise ValueError(f"dtype must be one of {sorted([*DTYPES, 'auto'])}, got {self.dtype!r}")
         check_at_least(self, ("tokens_per_block", "num_pages", "max_num_seqs", "max_num_batched_tokens"), 1)

@@ -65,7 +65,7 @@ class LLMEngine:
         self.tokenizer = self.model.tokenizer
         spec = kv_cache_spec(self.model.hf_config, config.tokens_per_block, self.model.dtype)
         self.manager = KVCacheManager(spec, config.num_pages, device=self.model.device,
-                                      enable_prefix_caching=config.enable_prefix_caching)
+                                      enable_prefix_caching=config.enable_prefix_caching, eviction=config.eviction)
         self.hash_extra = kv_fingerprint(spec, config.model)
         self.sampler = Sampler()
         self.speculation = Speculation(config, is_drafting=role != "context", sampler=self.sampler)

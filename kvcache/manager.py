@@ -60,6 +60,7 @@ class KVCacheManager:
         device: str | torch.device = "cpu",
         allocate_storage: bool = True,
         enable_prefix_caching: bool = False,
+        eviction: str = "lru",
     ) -> None:
         sizes = {g.name: num_pages for g in spec.groups} if isinstance(num_pages, int) else dict(num_pages)
         missing = [g.name for g in spec.groups if g.name not in sizes]
@@ -67,7 +68,7 @@ class KVCacheManager:
             raise ValueError(f"num_pages has no entry for groups {missing}")
         self.spec = spec
         self.enable_prefix_caching = enable_prefix_caching
-        self.pools = {g.name: PagePool(sizes[g.name]) for g in spec.groups}
+        self.pools = {g.name: PagePool(sizes[g.name], eviction) for g in spec.groups}
         self.storage = PageStorage(spec, sizes, device) if allocate_storage else None
         self._requests: dict[str, RequestBlocks] = {}
 

@@ -4,17 +4,43 @@ Every page is in exactly one state::
 
     state        ref_count   block hash   where
     free         0           none         the free heap (never used, or its content evicted)
-    evictable    0           yes          the LRU, oldest first; still findable by its hash
+    evictable    0           yes          the eviction queue (below); still findable by its hash
     owned        >= 1        maybe        bound by ``ref_count`` (request, ordinal) pairs
 
     take:     free ──────────────► owned       lowest ids first; then
-              evictable ─(evict)─► owned       least recently used first, hash dropped
+              evictable ─(evict)─► owned       the queue's front first, hash dropped
     pin:      evictable / owned ─► owned       a cache hit binds the page once more
     release:  owned ─(last one)──► free        or evictable, when the page has a hash
     cache:    owned, no hash ────► owned, hash
 
 ``num_free`` counts free and evictable pages: both can be taken, so a
 check-then-do (``count <= num_free``, then ``take(count)``) stays right.
+
+Eviction order (``eviction``). The evictable pages form one queue, evicted
+from its front. ``"lru"`` appends every page that becomes evictable at the
+back. Under a cyclic working set larger than the cache (N prefixes visited
+round robin, room for M < N) that hits 0 times: each prefix is evicted just
+before it comes back. ``"keep-hot"`` inserts by whether the page is *hot*
+(it served a cache hit, ``pin``, since it was cached)::
+
+    front (evicted next)                                    back (most recent)
+    [ cold batches, newest first | hot pages and admitted cold batches, LRU ]
+      ^ a cold batch goes here         ^ a hot page, and every KEEP_HOT_PERIOD-th
+                                         cold batch (bimodal: no randomness), go here
+
+One ``release`` call is one batch. A cold batch keeps its own order at the
+front, so a request released tail first still loses its tail before its head
+(a shorter prefix hit survives). New blocks that are never hit evict each
+other and leave the resident ones alone: the cyclic working set keeps M - 1
+prefixes resident (M - 1, not M: the missing prefix's own pages take the
+M-th slot) and hits them every cycle. Without the admitted batches the
+resident set could never change (a new working set would only ever evict
+itself); with them, each admitted batch pushes out the least recently used
+resident one, so an old working set ages out within about
+``KEEP_HOT_PERIOD`` cold batches per resident prefix. The price, stated
+because it refines "every cycle": the pushed-out prefix misses once, so a
+cycle holding or following an admission may hit one prefix fewer per admission;
+the admitted one is hit from then on in its place.
 """
 
 from __future__ import annotations
@@ -22,6 +48,9 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, KeysView, Mapping
+
+EVICTION_POLICIES = ("lru", "keep-hot")
+KEEP_HOT_PERIOD = 32  # keep-hot: every 32nd cold batch goes to the back of the queue
 
 
 class PagePool:
@@ -32,10 +61,15 @@ class PagePool:
     taken only when no free page is left, so caching never costs capacity.
     """
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, eviction: str = "lru") -> None:
         if num_pages < 1:
             raise ValueError(f"a pool needs at least one page, got {num_pages}")
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {list(EVICTION_POLICIES)}, got {eviction!r}")
         self.num_pages = num_pages
+        self.eviction = eviction
+        self._is_hot = [False] * num_pages
+        self._num_cold_batches = 0
         self._free_heap = list(range(num_pages))
         self._is_free = [True] * num_pages
         self._ref_count = [0] * num_pages
@@ -63,6 +97,10 @@ class PagePool:
 
     def is_evictable(self, page: int) -> bool:
         return page in self._evictable
+
+    def is_hot(self, page: int) -> bool:
+        """Whether the cached page served a cache hit since it was cached."""
+        return self._is_hot[page]
 
     def ref_count(self, page: int) -> int:
         return self._ref_count[page]
@@ -98,22 +136,51 @@ class PagePool:
             raise ValueError(f"page {page} holds no cached block; only cached pages are shared")
         self._evictable.pop(page, None)
         self._ref_count[page] += 1
+        self._is_hot[page] = True
 
     def release(self, pages: Iterable[int]) -> None:
-        """Drop one binding of each page; a page nobody binds becomes evictable if cached, else free."""
-        for page in pages:
-            if not 0 <= page < self.num_pages:
-                raise ValueError(f"page {page} is outside the pool (0..{self.num_pages - 1})")
-            if self._ref_count[page] == 0:
-                raise ValueError(f"page {page} is freed twice")
-            self._ref_count[page] -= 1
-            if self._ref_count[page]:
-                continue
-            if self._hash_of[page] is not None:
-                self._evictable[page] = None  # most recently used end
-            else:
-                self._is_free[page] = True
-                heapq.heappush(self._free_heap, page)
+        """Drop one binding of each page; a page nobody binds becomes evictable if cached, else free.
+
+        Evictable pages join the queue by ``eviction`` (module docstring); the
+        cold ones of this call go in as one batch, in the order given.
+        """
+        cold: list[int] = []
+        try:
+            for page in pages:
+                if self._unbind(page) and self._hash_of[page] is not None:
+                    if self._is_hot[page] or self.eviction == "lru":
+                        self._evictable[page] = None  # most recently used end
+                    else:
+                        cold.append(page)
+        finally:
+            self._queue_cold(cold)
+
+    def _unbind(self, page: int) -> bool:
+        """Drop one binding; True when nobody binds the page any more. An uncached one is freed."""
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} is outside the pool (0..{self.num_pages - 1})")
+        if self._ref_count[page] == 0:
+            raise ValueError(f"page {page} is freed twice")
+        self._ref_count[page] -= 1
+        if self._ref_count[page]:
+            return False
+        if self._hash_of[page] is None:
+            self._is_free[page] = True
+            heapq.heappush(self._free_heap, page)
+        return True
+
+    def _queue_cold(self, cold: list[int]) -> None:
+        """keep-hot: one batch of never-hit pages to the front, ``[cold[0], cold[1], ...]`` evicted
+        in that order; every ``KEEP_HOT_PERIOD``-th batch to the back instead."""
+        if not cold:
+            return
+        self._num_cold_batches += 1
+        if self._num_cold_batches % KEEP_HOT_PERIOD == 0:
+            self._evictable.update(dict.fromkeys(cold))  # admitted: most recently used end
+            return
+        for page in reversed(cold):
+            self._evictable[page] = None
+            self._evictable.move_to_end(page, last=False)
 
     def cache(self, page: int, block_hash: bytes) -> bool:
         """Name an owned page's full block; False if another page already holds that block.
@@ -138,6 +205,7 @@ class PagePool:
         page, _ = self._evictable.popitem(last=False)
         del self._page_of[self._hash_of[page]]
         self._hash_of[page] = None
+        self._is_hot[page] = False
         return page
 
     # -- checks ----------------------------------------------------------
@@ -155,6 +223,8 @@ class PagePool:
                 raise AssertionError(f"page {page}: its hash {name.hex()} maps to {self._page_of.get(name)}")
             if (self._is_free[page] or page in self._evictable) and (name is None) != self._is_free[page]:
                 raise AssertionError(f"page {page}: unowned, free={self._is_free[page]}, hash={name}")
+            if self._is_hot[page] and name is None:
+                raise AssertionError(f"page {page}: hot but holds no cached block")
         if len(self._page_of) != sum(name is not None for name in self._hash_of):
             raise AssertionError("a cached hash names a page that does not hold it")
         if sorted(self._free_heap) != [p for p in range(self.num_pages) if self._is_free[p]]:
