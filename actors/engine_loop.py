@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from engine import LLMEngine, RequestUpdate, SamplingParams
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, is_tracing_path, stamp
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
         self._task: asyncio.Task | None = None
+        self.is_tracing = is_tracing_path()  # updates carry their hop times (engine.outputs.TRACE_PATH_ENV)
 
     def start(self) -> None:
         if self._task is None:
@@ -92,6 +94,7 @@ class EngineLoop:
             while not finished:
                 update = await queue.get()
                 finished = update.is_finished
+                stamp(update, "loop_get")
                 yield update
         finally:
             self.unwatch(request_id)
@@ -112,11 +115,15 @@ class EngineLoop:
                 await self._wakeup.wait()
                 continue
             async with self._lock:
+                started = time.monotonic()
                 try:
                     updates = await asyncio.to_thread(self.engine.step)
                 except Exception as exc:  # a failed step must not strand requests
                     log.exception("engine step failed")
                     updates = self._fail_all(exc)
+            if self.is_tracing:
+                for update in updates:
+                    update.stamps = {"step_start": started, "step_end": time.monotonic()}
             self.deliver(updates)
             await asyncio.sleep(0)
 
