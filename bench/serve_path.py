@@ -32,6 +32,8 @@ import pickle
 import random
 import time
 
+import psutil
+
 from bench.common import ainterleave, median, print_table, progress, torch_threads, write_json
 from bench.serve.client import RequestResult, run_alternating, run_load
 from bench.serve.compare import serving
@@ -40,7 +42,9 @@ from bench.serve.trace import make_trace
 
 CONFIG = os.path.join("configs", "smollm2.yaml")
 MODEL = "smollm2-135m-instruct"
-OVERRIDES = {"aggregated": {"mode": "aggregated", "torch_threads": 2}, "disagg": {}}
+OVERRIDES = {"aggregated": {"mode": "aggregated", "torch_threads": 2,  # the issue's aggregated run
+                            "context_num_pages": None, "generation_num_pages": None},  # disagg-only fields
+             "disagg": {}}
 # (column, from stamp, to stamp): a token's hops, in path order
 HOPS = (("step", "step_start", "step_end"), ("loop wakeup", "step_end", "loop_get"),
         ("worker relay", "loop_get", "worker_yield"), ("worker->ingress", "worker_yield", "ingress_recv"),
@@ -108,20 +112,48 @@ def breakdown(results: list[RequestResult]) -> dict[str, dict]:
     return hops
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process (the client) and of every process it started (Ray's), by
+    process title (``ray::ServeReplica:<app>:<deployment>``, ``raylet``, ...) and pid."""
+    out = {}
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            title = (" ".join(process.cmdline()) or process.name()).split(".")[0].split(" ")[0]
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        out[f"{title.removeprefix('ray::') if process.pid != os.getpid() else 'client'} [{process.pid}]"] = (
+            times.user + times.system + times.children_user + times.children_system)
+    return out
+
+
+def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], runs: dict) -> dict[str, float]:
+    """Each process's CPU over the phase, per output token of its application (all tokens for shared ones)."""
+    tokens = {mode: sum(r.num_output_tokens for r in results if r.ok) for mode, (results, _) in runs.items()}
+    out = {}
+    for name, seconds in after.items():
+        mode = next((m for m in tokens if f":{m}:" in name), None)
+        num_tokens = tokens[mode] if mode is not None else sum(tokens.values())
+        out[name] = 1e3 * (seconds - before.get(name, 0.0)) / max(1, num_tokens)
+    return dict(sorted(out.items(), key=lambda item: -item[1]))
+
+
 def measure(urls: dict[str, str], sizes: dict, concurrencies: list[int], max_seconds: float) -> dict:
     out: dict[str, dict] = {}
     for c in concurrencies:
         trace = make_trace(sizes["requests"][c], sizes["input_len"], sizes["output_len"], spread=0.0, seed=c)
+        cpu_before = cpu_seconds()
         if c == 1:
             runs = asyncio.run(run_alternating(urls, MODEL, trace, max_seconds))
         else:
             candidates = {mode: (lambda url=url, mode=mode, trace=trace, c=c:
                                  run_load(url, MODEL, trace, c, max_seconds, mode)) for mode, url in urls.items()}
             runs = {mode: rs[0] for mode, rs in asyncio.run(ainterleave(1, candidates)).items()}
-        load = os.getloadavg()
+        load, cpu = os.getloadavg(), cpu_ms_per_token(cpu_before, cpu_seconds(), runs)
         for mode, (results, elapsed) in runs.items():
             out[f"{mode} c={c}"] = {"summary": summarize(results, elapsed), "hops_ms": breakdown(results),
                                     "load_average": load}
+        out[f"cpu ms per token c={c}"] = cpu
         progress(f"c = {c} done (load {load[0]:.2f})")
     return out
 
@@ -132,14 +164,19 @@ def print_report(engine_ms: dict[int, float], micro: dict[str, float], runs: dic
     names = [name for name, _, _ in HOPS] + ["engine idle"]
     rows = [[run, s["summary"]["itl_ms"]["p50"], s["summary"]["output_throughput"],
              *(s["hops_ms"][n]["p50"] for n in names), s["hops_ms"]["tokens per chunk"]["p50"]]
-            for run, s in runs.items()]
+            for run, s in runs.items() if "summary" in s]
     print_table("per token, p50 (ms)", ["run", "client ITL", "out tok/s", *names, "tokens/chunk"], rows)
+    for run, cpu in runs.items():
+        if "summary" not in cpu:
+            print_table(f"{run} (ms; shared processes: over both modes' tokens)", ["process", "CPU ms/token"],
+                        [[name, ms] for name, ms in cpu.items() if ms >= 0.05])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.serve_path", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 and 16 requests of 32 tokens")
     parser.add_argument("--modes", default="aggregated,disagg")
+    parser.add_argument("--no-engine-step", action="store_true", help="skip (1), the engine's own step")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--port", type=int, default=8291, help="Serve's HTTP port (8000 may be taken)")
     parser.add_argument("--max-seconds", type=float, default=600.0)
@@ -151,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     sizes = SIZES["quick" if args.quick else "full"]
     modes = args.modes.split(",")
-    engine_ms = engine_step_ms(8 if args.quick else 32)
+    engine_ms = {1: None, 2: None} if args.no_engine_step else engine_step_ms(8 if args.quick else 32)
     micro = micro_costs_us()
     progress(f"engine step {engine_ms} ms; per-token costs {json.dumps(micro)}")
     os.environ["WINDSERVE_TRACE_PATH"] = "1"  # before Ray starts: its worker processes inherit it
