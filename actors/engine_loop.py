@@ -15,9 +15,23 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engine import LLMEngine, RequestUpdate, SamplingParams
-from engine.outputs import FinishReason, is_tracing_path, stamp
+from engine.outputs import FinishReason, is_tracing_path, merge_updates, stamp
 
 log = logging.getLogger(__name__)
+
+
+async def next_merged(queue: asyncio.Queue[RequestUpdate]) -> RequestUpdate:
+    """The next update, merged with every one queued behind it (``engine.outputs.merge_updates``)::
+
+        queue: [u3, u4, u5]   ->   merge(u3, u4, u5)      (nothing waits: the queue is drained as it is)
+        queue: []             ->   waits for u6, then merges whatever queued behind it meanwhile
+
+    A finished update ends a merge: nothing follows it in a request's stream.
+    """
+    ready = [await queue.get()]
+    while not ready[-1].is_finished and not queue.empty():
+        ready.append(queue.get_nowait())
+    return merge_updates(ready)
 
 
 class EngineLoop:
@@ -88,11 +102,15 @@ class EngineLoop:
         return queue
 
     async def stream(self, request_id: str, queue: asyncio.Queue[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
-        """Yield updates until the last; a consumer leaving early aborts the request."""
+        """Yield updates until the last; a consumer leaving early aborts the request.
+
+        A consumer that fell behind gets what queued up meanwhile as one update
+        (``next_merged``): one message down the serving path instead of one per step.
+        """
         finished = False
         try:
             while not finished:
-                update = await queue.get()
+                update = await next_merged(queue)
                 finished = update.is_finished
                 stamp(update, "loop_get")
                 yield update
