@@ -50,6 +50,7 @@ HOPS = (("step", "step_start", "step_end"), ("loop wakeup", "step_end", "loop_ge
         ("worker relay", "loop_get", "worker_yield"), ("worker->ingress", "worker_yield", "ingress_recv"),
         ("ingress", "ingress_recv", "sse_out"), ("ingress->client", "sse_out", "client"),
         ("step end->client", "step_end", "client"))
+IDLE_S = 15.0  # how long the idle CPU of every process is measured, after the warm-up
 SIZES = {"full": dict(input_len=400, output_len=64, requests={1: 16, 8: 64}),
          "quick": dict(input_len=400, output_len=32, requests={1: 4, 8: 16})}
 
@@ -127,29 +128,42 @@ def cpu_seconds() -> dict[str, float]:
     return out
 
 
-def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], runs: dict) -> dict[str, float]:
-    """Each process's CPU over the phase, per output token of its application (all tokens for shared ones)."""
+def idle_cpu_rates(seconds: float) -> dict[str, float]:
+    """Each process's CPU seconds per second with no request in flight (stats reports, polls)."""
+    before = cpu_seconds()
+    time.sleep(seconds)
+    return {name: (spent - before.get(name, 0.0)) / seconds for name, spent in cpu_seconds().items()}
+
+
+def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], runs: dict, wall_s: float,
+                     idle_rates: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Each process's CPU over the phase per output token of its application (all tokens for shared
+    ones): ``all``, and ``less idle``, less what it spends idle over as long."""
     tokens = {mode: sum(r.num_output_tokens for r in results if r.ok) for mode, (results, _) in runs.items()}
     out = {}
     for name, seconds in after.items():
         mode = next((m for m in tokens if f":{m}:" in name), None)
-        num_tokens = tokens[mode] if mode is not None else sum(tokens.values())
-        out[name] = 1e3 * (seconds - before.get(name, 0.0)) / max(1, num_tokens)
-    return dict(sorted(out.items(), key=lambda item: -item[1]))
+        num_tokens = max(1, tokens[mode] if mode is not None else sum(tokens.values()))
+        spent = seconds - before.get(name, 0.0)
+        out[name] = {"all": 1e3 * spent / num_tokens,
+                     "less idle": 1e3 * (spent - idle_rates.get(name, 0.0) * wall_s) / num_tokens}
+    return dict(sorted(out.items(), key=lambda item: -item[1]["all"]))
 
 
 def measure(urls: dict[str, str], sizes: dict, concurrencies: list[int], max_seconds: float) -> dict:
-    out: dict[str, dict] = {}
+    idle_rates = idle_cpu_rates(IDLE_S)
+    out: dict[str, dict] = {"idle cpu ms per s": {name: 1e3 * rate for name, rate in idle_rates.items()}}
     for c in concurrencies:
         trace = make_trace(sizes["requests"][c], sizes["input_len"], sizes["output_len"], spread=0.0, seed=c)
-        cpu_before = cpu_seconds()
+        cpu_before, started = cpu_seconds(), time.monotonic()
         if c == 1:
             runs = asyncio.run(run_alternating(urls, MODEL, trace, max_seconds))
         else:
             candidates = {mode: (lambda url=url, mode=mode, trace=trace, c=c:
                                  run_load(url, MODEL, trace, c, max_seconds, mode)) for mode, url in urls.items()}
             runs = {mode: rs[0] for mode, rs in asyncio.run(ainterleave(1, candidates)).items()}
-        load, cpu = os.getloadavg(), cpu_ms_per_token(cpu_before, cpu_seconds(), runs)
+        wall_s = time.monotonic() - started
+        load, cpu = os.getloadavg(), cpu_ms_per_token(cpu_before, cpu_seconds(), runs, wall_s, idle_rates)
         for mode, (results, elapsed) in runs.items():
             out[f"{mode} c={c}"] = {"summary": summarize(results, elapsed), "hops_ms": breakdown(results),
                                     "load_average": load}
@@ -167,9 +181,10 @@ def print_report(engine_ms: dict[int, float], micro: dict[str, float], runs: dic
             for run, s in runs.items() if "summary" in s]
     print_table("per token, p50 (ms)", ["run", "client ITL", "out tok/s", *names, "tokens/chunk"], rows)
     for run, cpu in runs.items():
-        if "summary" not in cpu:
-            print_table(f"{run} (ms; shared processes: over both modes' tokens)", ["process", "CPU ms/token"],
-                        [[name, ms] for name, ms in cpu.items() if ms >= 0.05])
+        if run.startswith("cpu ms per token"):
+            print_table(f"{run} (ms; shared processes: over both modes' tokens)",
+                        ["process", "CPU ms/token", "less idle"],
+                        [[name, ms["all"], ms["less idle"]] for name, ms in cpu.items() if ms["all"] >= 0.05])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
