@@ -119,11 +119,12 @@ def cpu_seconds() -> dict[str, float]:
     out = {}
     for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         try:
-            title = (" ".join(process.cmdline()) or process.name()).split(".")[0].split(" ")[0]
-            times = process.cpu_times()
+            argv, times = process.cmdline(), process.cpu_times()
         except psutil.Error:
             continue
-        out[f"{title.removeprefix('ray::') if process.pid != os.getpid() else 'client'} [{process.pid}]"] = (
+        is_ray_worker = bool(argv) and argv[0].startswith("ray::")  # a task's name follows the first "."
+        title = argv[0].removeprefix("ray::").split(".")[0] if is_ray_worker else process.name()
+        out[f"{title if process.pid != os.getpid() else 'client'} [{process.pid}]"] = (
             times.user + times.system + times.children_user + times.children_system)
     return out
 
