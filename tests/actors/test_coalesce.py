@@ -135,3 +135,27 @@ def test_a_late_consumer_gets_the_tokens_a_prompt_one_gets(tiny_model):
     assert late_reader[-1].finish_reason == prompt_reader[-1].finish_reason == FinishReason.LENGTH
     assert len(late_reader) < len(prompt_reader)  # what queued while it slept came merged
     assert late_reader[-1].num_output_tokens == 12
+
+
+def test_traced_updates_carry_their_hop_times_in_order_and_untraced_ones_none(tiny_model, monkeypatch):
+    """WINDSERVE_TRACE_PATH=1: each update leaves the engine loop with step_start <= step_end <=
+    loop_get; unset (the default), no update carries stamps and the SSE chunks get no debug field."""
+    from app.streaming import traced
+
+    async def updates_of(loop: EngineLoop) -> list[RequestUpdate]:
+        loop.start()
+        return [u async for u in loop.generate("t", list(range(3, 20)), SamplingParams(max_tokens=4,
+                                                                                        ignore_eos=True))]
+
+    engine = make_engine(tiny_model, tokens_per_block=8)
+    plain = asyncio.run(updates_of(EngineLoop(engine)))
+    monkeypatch.setenv("WINDSERVE_TRACE_PATH", "1")
+    stamped = asyncio.run(updates_of(EngineLoop(engine)))
+    assert all(u.stamps is None for u in plain) and traced([{"choices": []}], plain[0]) == [{"choices": []}]
+    for update in stamped:
+        times = [update.stamps[hop] for hop in ("step_start", "step_end", "loop_get")]
+        assert times == sorted(times)
+    (chunk,) = traced([{"choices": []}], stamped[0])
+    assert chunk["windserve_trace"]["num_tokens"] == len(stamped[0].new_token_ids)
+    assert chunk["windserve_trace"]["sse_out"] >= chunk["windserve_trace"]["loop_get"]
+    assert [t for u in plain for t in u.new_token_ids] == [t for u in stamped for t in u.new_token_ids]
