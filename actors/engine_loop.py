@@ -11,12 +11,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from engine import LLMEngine, RequestUpdate, SamplingParams
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, is_tracing_path, merge_updates, stamp
 
 log = logging.getLogger(__name__)
+
+
+async def next_merged(queue: asyncio.Queue[RequestUpdate]) -> RequestUpdate:
+    """The next update, merged with every one queued behind it (``engine.outputs.merge_updates``)::
+
+        queue: [u3, u4, u5]   ->   merge(u3, u4, u5)      (nothing waits: the queue is drained as it is)
+        queue: []             ->   waits for u6, then merges whatever queued behind it meanwhile
+
+    A finished update ends a merge: nothing follows it in a request's stream.
+    """
+    ready = [await queue.get()]
+    while not ready[-1].is_finished and not queue.empty():
+        ready.append(queue.get_nowait())
+    return merge_updates(ready)
 
 
 class EngineLoop:
@@ -26,6 +41,7 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
         self._task: asyncio.Task | None = None
+        self.is_tracing = is_tracing_path()  # updates carry their hop times (engine.outputs.TRACE_PATH_ENV)
 
     def start(self) -> None:
         if self._task is None:
@@ -86,12 +102,17 @@ class EngineLoop:
         return queue
 
     async def stream(self, request_id: str, queue: asyncio.Queue[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
-        """Yield updates until the last; a consumer leaving early aborts the request."""
+        """Yield updates until the last; a consumer leaving early aborts the request.
+
+        A consumer that fell behind gets what queued up meanwhile as one update
+        (``next_merged``): one message down the serving path instead of one per step.
+        """
         finished = False
         try:
             while not finished:
-                update = await queue.get()
+                update = await next_merged(queue)
                 finished = update.is_finished
+                stamp(update, "loop_get")
                 yield update
         finally:
             self.unwatch(request_id)
@@ -112,11 +133,15 @@ class EngineLoop:
                 await self._wakeup.wait()
                 continue
             async with self._lock:
+                started = time.monotonic()
                 try:
                     updates = await asyncio.to_thread(self.engine.step)
                 except Exception as exc:  # a failed step must not strand requests
                     log.exception("engine step failed")
                     updates = self._fail_all(exc)
+            if self.is_tracing:
+                for update in updates:
+                    update.stamps = {"step_start": started, "step_end": time.monotonic()}
             self.deliver(updates)
             await asyncio.sleep(0)
 

@@ -44,7 +44,7 @@ from app.placement import PromptHasher
 from app.routing import ROUTER_PATH, RoutingHint
 from app.serve_backend import ServeBackend
 from engine.model_registry import resolve_model_path
-from engine.outputs import RequestUpdate
+from engine.outputs import RequestUpdate, stamp
 from engine.params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -182,6 +182,7 @@ class WorkerReplica:
                     if not is_accounted:
                         self.account(request_id)
                         is_accounted = True
+                    stamp(update, "worker_yield")
                     yield update
             except (asyncio.CancelledError, GeneratorExit):
                 self.num_cancelled += 1

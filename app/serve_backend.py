@@ -71,7 +71,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from actors.messages import KVHandle, Prefilled
 from app.placement import GenerationCaches, PromptHasher
 from app.routing import RoutingHint
-from engine.outputs import RequestUpdate, without_first_token
+from engine.outputs import RequestUpdate, stamp, without_first_token
 from engine.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ async def relay(stream: DeploymentResponseGenerator, spliced_onto: RequestUpdate
     is_finished, first = False, spliced_onto
     try:
         async for update in stream:
+            stamp(update, "ingress_recv")
             if first is not None:
                 update, first = without_first_token(first, update), None
                 if not (update.new_token_ids or update.new_text or update.is_finished):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -121,6 +122,15 @@ def run_usage(run: GenerationRun) -> dict:
     return usage_dict(len(run.prompt_token_ids), run.num_output_tokens, run.num_cached_tokens)
 
 
+def traced(chunks: list[dict], update: RequestUpdate) -> list[dict]:
+    """``chunks``, the first carrying the update's hop times as ``windserve_trace`` when it has them
+    (engine.outputs.TRACE_PATH_ENV: a debug field for bench.serve_path, absent by default)."""
+    if update.stamps is not None and chunks:
+        update.stamps["sse_out"] = time.monotonic()
+        chunks[0]["windserve_trace"] = {**update.stamps, "num_tokens": len(update.new_token_ids)}
+    return chunks
+
+
 async def stream_events(
     run: GenerationRun, formatter: ReplyFormatter, include_usage: bool
 ) -> AsyncIterator[str]:
@@ -132,7 +142,7 @@ async def stream_events(
             async for update in run:
                 if update.finish_reason == "error":
                     raise failed_update_error(update)
-                for chunk in formatter.stream_update(update):
+                for chunk in traced(formatter.stream_update(update), update):
                     yield sse_event(chunk)
                 if update.is_finished:
                     yield sse_event(formatter.stream_finish(update.finish_reason))

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import time
 from dataclasses import dataclass, field
+
+# ``WINDSERVE_TRACE_PATH=1``: every update carries ``stamps``, time.monotonic() at each hop of the serving
+# path (bench.serve_path reads them from the SSE chunks). Off by default: then ``stamps`` stays None and a
+# hop's stamp() is one attribute test.
+TRACE_PATH_ENV = "WINDSERVE_TRACE_PATH"
 
 
 class FinishReason(str, enum.Enum):
@@ -98,11 +105,49 @@ class RequestUpdate:
     num_drafts_accepted: int = 0
     num_cached_tokens: int = 0
     prefill: PrefillResult | None = None
+    stamps: dict[str, float] | None = None  # hop name -> time.monotonic(), only under TRACE_PATH_ENV
 
     @property
     def is_finished(self) -> bool:
         """No update follows this one: the request finished, or it is parked after its prefill."""
         return self.finish_reason is not None or self.prefill is not None
+
+
+def is_tracing_path() -> bool:
+    return os.environ.get(TRACE_PATH_ENV) == "1"
+
+
+def stamp(update: RequestUpdate, hop: str) -> None:
+    """Record when ``update`` passed ``hop`` (a no-op unless the engine loop started its stamps)."""
+    if update.stamps is not None:
+        update.stamps[hop] = time.monotonic()
+
+
+def merge_updates(updates: list[RequestUpdate]) -> RequestUpdate:
+    """One update of a request standing for several consecutive ones (a consumer that fell behind).
+
+    Tokens, text and logprobs concatenate in order; counts and the finish come from the last
+    (only the last may be finished: nothing follows a finished update)::
+
+        u0: ids [a]    text "x"   logprobs [la]    num_output_tokens 5
+        u1: ids [b, c] text "yz"  logprobs [lb, lc] num_output_tokens 7  finish "length"
+        ->  ids [a, b, c] text "xyz" logprobs [la, lb, lc] num_output_tokens 7  finish "length"
+
+    ``stamps``: the first update's, so a trace times the oldest token it carries.
+    """
+    if len(updates) == 1:
+        return updates[0]
+    if any(u.is_finished for u in updates[:-1]) or len({u.request_id for u in updates}) != 1:
+        raise ValueError("merge_updates takes consecutive updates of one request, only the last finished")
+    last = updates[-1]
+    is_logprobs = any(u.logprobs is not None for u in updates)
+    return dataclasses.replace(
+        last,
+        new_token_ids=[t for u in updates for t in u.new_token_ids],
+        new_text="".join(u.new_text for u in updates),
+        logprobs=[lp for u in updates for lp in (u.logprobs or ())] if is_logprobs else None,
+        stamps=updates[0].stamps,
+    )
 
 
 @dataclass

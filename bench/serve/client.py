@@ -32,6 +32,7 @@ class RequestResult:
     num_prompt_tokens: int | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
+    traces: list[dict] = field(default_factory=list)  # chunks' windserve_trace + "client" (bench.serve_path)
 
     @property
     def tpot_s(self) -> float | None:
@@ -61,6 +62,8 @@ async def send(client: httpx.AsyncClient, model: str, spec: RequestSpec) -> Requ
                 chunk, now = json.loads(line[len("data: "):]), time.perf_counter()
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
+                if "windserve_trace" in chunk:  # the server's hop times (WINDSERVE_TRACE_PATH=1)
+                    result.traces.append({**chunk["windserve_trace"], "client": time.monotonic()})
                 if chunk.get("usage"):
                     result.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.num_output_tokens = chunk["usage"]["completion_tokens"]

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.api import build_api
+from engine.outputs import merge_updates
 from tests.app.fakes import (
     FAIL_TRIGGER,
     MAX_MODEL_LEN,
@@ -226,3 +227,52 @@ def test_an_abort_is_not_a_child_of_the_request_it_aborts():
     ctx = asyncio.run(leave_early())
     assert ctx.backend.aborted == ["r1"]
     assert seen == [None]  # the abort ran outside the request's Serve context
+
+
+class CoalescingBackend(FakeBackend):
+    """FakeBackend's updates merged in runs of ``run_sizes`` (cycled), as a worker whose consumer fell
+    behind sends them (actors.engine_loop.next_merged)."""
+
+    def __init__(self, run_sizes: list[int]) -> None:
+        super().__init__()
+        self.run_sizes = run_sizes
+
+    async def generate(self, request_id, prompt_token_ids, params):
+        run, sizes = [], iter(self.run_sizes * 64)
+        size = next(sizes)
+        async for update in super().generate(request_id, prompt_token_ids, params):
+            run.append(update)
+            if len(run) == size or update.is_finished:
+                yield merge_updates(run)
+                run, size = [], next(sizes)
+
+
+def chat_stream(url: str, max_tokens: int) -> list[dict]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
+            "stream": True, "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=url, timeout=10) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+            return [json.loads(p) for p in sse_payloads(reply.read())[:-1]]
+
+
+@pytest.mark.parametrize("run_sizes", [[3], [1, 4, 2], [50]])
+def test_coalesced_updates_stream_the_same_tokens_logprobs_finish_and_usage(make_server, run_sizes):
+    """Each merged update is one chunk carrying its run's text and logprobs, in order."""
+    one_by_one = chat_stream(make_server().url, 9)
+    coalesced = chat_stream(make_server(backend=CoalescingBackend(run_sizes)).url, 9)
+
+    def content(chunks):
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+    def logprobs(chunks):
+        return [entry for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for entry in c["choices"][0]["logprobs"]["content"]]
+
+    assert content(coalesced) == content(one_by_one) == REPLY[:9]
+    assert logprobs(coalesced) == logprobs(one_by_one) and len(logprobs(one_by_one)) == 9
+    finishes = [c["choices"][0]["finish_reason"] for c in coalesced if c["choices"]]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert coalesced[-1]["usage"] == one_by_one[-1]["usage"]
+    runs = [len(entries) for entries in (logprobs([c]) for c in coalesced) if entries]  # tokens per chunk
+    expected = [min(size, 9 - sum(runs[:i])) for i, size in enumerate((run_sizes * 9)[:len(runs)])]
+    assert runs == expected and sum(runs) == 9
