@@ -32,7 +32,9 @@ The router counts its own decisions (app.pending): a request's blocks join its
 view of the replica it was sent to at once, and the pages they take leave that
 view's free and empty pages, until a report of the replica shows the request.
 A burst of new prefixes within one report period thus spreads by what each
-replica will hold, not by what it held a period ago. Serve takes the first replica of the first rank
+replica will hold, not by what it held a period ago; with every cache full (no
+empty pages anywhere), by the blocks the router sent to each replica recently
+(app.pending.RecentBlocks). Serve takes the first replica of the first rank
 that accepts (its queue below ``max_ongoing_requests``).
 
 Sticky cancellation: an ``abort`` must reach the replica that holds the
@@ -52,7 +54,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from app.pending import PendingDecisions, with_pending
+from app.pending import PendingDecisions, RecentBlocks, capacity_in_blocks, with_pending
 from kvcache import BlockSummary, hit_for_windows, stale_end
 
 ROUTER_PATH = "app.routing:KVAwareRequestRouter"
@@ -165,12 +167,14 @@ def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, 
 def rank_replicas(
     replicas: Sequence[Any], hint: RoutingHint | None, queue_len: Callable[[Any], int | None], scales: CostScales,
     pending_of: Callable[[Any, ReplicaView], Sequence[RoutingHint]] = lambda replica, view: (),
+    recent_of: Callable[[Any], int] = lambda replica: 0,
 ) -> list[list[Any]]:
-    """One rank per reported replica, cheapest first (equal costs: most empty pages first),
-    then the unreported ones as one rank.
+    """One rank per reported replica, cheapest first (equal costs: most empty pages first, then
+    the fewest blocks this router sent there recently), then the unreported ones as one rank.
 
     ``replicas``: anything with ``routing_stats``; ``hint`` None (no prompt) scores load only.
     ``pending_of(replica, view)``: the requests sent there that ``view`` (its report) does not show yet.
+    ``recent_of(replica)``: app.pending.RecentBlocks' share of that replica.
     """
     hint = hint or RoutingHint("")
     shuffled = random.sample(list(replicas), len(replicas))  # fair among equal costs and footprints
@@ -182,9 +186,9 @@ def rank_replicas(
         else:
             view = with_pending(view, pending_of(replica, view))
             cost = replica_cost(view, hint, queue_len(replica), scales)
-            scored.append((cost, -view.num_empty_pages, replica))
-    scored.sort(key=lambda entry: entry[:2])
-    return [[replica] for _, _, replica in scored] + ([unknown] if unknown else [])
+            scored.append((cost, -view.num_empty_pages, recent_of(replica), replica))
+    scored.sort(key=lambda entry: entry[:3])
+    return [[entry[-1]] for entry in scored] + ([unknown] if unknown else [])
 
 
 def hint_of(pending_request: PendingRequest | None) -> RoutingHint | None:
@@ -207,6 +211,8 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
         self.scales = CostScales(prefill_load_scale, decode_load_scale)
         self.placements: OrderedDict[str, Any] = OrderedDict()  # request id -> replica id
         self.pending = PendingDecisions()
+        self.recent = RecentBlocks()
+        self.capacity_blocks = 0  # all candidates' blocks, as of the last decision (RecentBlocks' bound)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -217,9 +223,12 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             if holder:
                 return [holder]
         cache = self.replica_queue_len_cache
-        self.pending.retain(getattr(self, "curr_replicas", None) or [r.replica_id for r in candidate_replicas])
+        current = getattr(self, "curr_replicas", None) or [r.replica_id for r in candidate_replicas]
+        self.pending.retain(current)
+        self.recent.retain(current)
+        self.capacity_blocks = capacity_in_blocks(r.routing_stats or {} for r in candidate_replicas)
         return rank_replicas(candidate_replicas, hint, lambda r: cache.get(r.replica_id), self.scales,
-                             self._pending_of)
+                             self._pending_of, lambda r: self.recent.num_blocks(r.replica_id))
 
     def _pending_of(self, replica: RunningReplica, view: ReplicaView) -> list[RoutingHint]:
         self.pending.reconcile(replica.replica_id, view.accounted_ids)
@@ -233,5 +242,6 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
         self.placements.move_to_end(hint.request_id)
         if hint.block_hashes:
             self.pending.add(replica_id, hint)
+            self.recent.add(replica_id, hint.block_hashes, self.capacity_blocks)
         while len(self.placements) > NUM_REMEMBERED_REQUESTS:
             self.placements.popitem(last=False)

@@ -12,6 +12,7 @@ from bench.serve.client import run_load
 from bench.serve.compare import compare
 from bench.serve.local_prefill import local_prefill
 from bench.serve.prefix import shared_prefix
+from bench.serve.repeat_prefix import repeat_prefix
 from bench.serve.routing import routing_compare
 from bench.serve.stats import draw, summarize, summary_rows
 from bench.serve.trace import RequestSpec, make_trace
@@ -64,8 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--in-turn", action="store_true",
                         help="--compare: serve one config at a time (default: both at once, requests alternating)")
     parser.add_argument("--port", type=int, default=None, help="--compare: port instead of the configs' own")
-    parser.add_argument("--workload", choices=("random", "shared-prefix", "local-prefill"), default="random",
+    parser.add_argument("--workload", choices=("random", "shared-prefix", "local-prefill", "repeat-prefix"),
+                        default="random",
                         help="shared-prefix: multi-turn chats, prefix cache on vs off (bench.serve.prefix); "
+                             "repeat-prefix: system prompts asked several questions each, the fraction of "
+                             "repeats the router keeps cached (bench.serve.repeat_prefix); "
                              "local-prefill: TTFT of local prefill vs the context hop (bench.serve.local_prefill)")
     parser.add_argument("--config", default=os.path.join("configs", "disagg.yaml"),
                         help="--workload shared-prefix: the config served twice, cache on and off")
@@ -84,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-pages", type=int, default=None,
                         help="--context-replicas: every worker's KV pages (the config's num_pages); smaller than "
                              "all conversations' prefixes puts the caches under pressure")
+    parser.add_argument("--runs", type=int, default=3, help="--workload repeat-prefix: fresh apps per pattern")
+    parser.add_argument("--routers", default="kv", help="--workload repeat-prefix: kv, default or kv,default")
     parser.add_argument("--out", default=os.path.join("bench", "out"))
     return parser.parse_args(argv)
 
@@ -97,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.workload == "shared-prefix":
         return routing_compare(args) if args.context_replicas > 1 else shared_prefix(args)
+    if args.workload == "repeat-prefix":
+        return repeat_prefix(args)
     if args.workload == "local-prefill":
         return local_prefill(args)
     return compare(args) if args.compare else bench_endpoint(args)
@@ -104,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def watchdog_s(args: argparse.Namespace) -> float:
     """How long ``python -m bench.serve`` may run before it dumps every thread's stack and exits."""
+    if args.workload == "repeat-prefix":  # per router: startup (minutes on a loaded machine), then every run
+        return len(args.routers.split(",")) * (900.0 + 2 * args.runs * args.max_seconds)
     if args.compare or args.workload != "random":  # startup, warm-up and the run: --max-seconds bounds the run
         return max(900.0, args.max_seconds + 300.0)
     return args.max_seconds + 120.0

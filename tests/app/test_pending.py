@@ -8,7 +8,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.pending import PENDING_MAX_AGE_S, PendingDecisions, with_pending
+from app.pending import PENDING_MAX_AGE_S, PendingDecisions, RecentBlocks, capacity_in_blocks, with_pending
 from app.routing import ReplicaView, RoutingHint, rank_replicas
 from kvcache import block_hashes, stale_end
 from tests.app.test_routing import FINGERPRINT, SCALES, WINDOWS, B, prompt_hint, replica
@@ -148,3 +148,56 @@ def test_hints_of_another_model_are_not_counted():
     view = ReplicaView.from_stats(replica("r0").routing_stats)
     other = dataclasses.replace(prompt_hint(), fingerprint=b"model-b")
     assert with_pending(view, [other]) == view
+
+
+def send_counting_recent(replicas, hint: RoutingHint, decisions: PendingDecisions, recent: RecentBlocks) -> str:
+    """``send``, plus the router's recent blocks (KVAwareRequestRouter.on_request_routed)."""
+    def pending_of(r, view: ReplicaView):
+        decisions.reconcile(r.name, view.accounted_ids)
+        return decisions.hints(r.name)
+
+    capacity = capacity_in_blocks(r.routing_stats for r in replicas)
+    first = rank_replicas(replicas, hint, lambda r: None, SCALES, pending_of, lambda r: recent.num_blocks(r.name))[0][0]
+    decisions.add(first.name, hint)
+    recent.add(first.name, hint.block_hashes, capacity)
+    return first.name
+
+
+@settings(max_examples=30, deadline=None)
+@given(num_replicas=st.integers(2, 4), num_prefixes=st.integers(2, 12), num_blocks=st.integers(2, 40),
+       num_questions=st.integers(1, 3))
+def test_with_every_cache_full_new_prefixes_spread_evenly_and_repeats_follow(num_replicas, num_prefixes,
+                                                                            num_blocks, num_questions):
+    """A server's steady state: every replica's pages hold old prefixes (0 empty), reports stay as they
+    were. New prefixes spread by the blocks the router sent to each replica: no replica gets two more
+    than another, whatever the (random) order among equals; each prefix's questions follow it."""
+    names = [f"r{i}" for i in range(num_replicas)]
+    replicas = [replica(n, empty=0) for n in names]
+    decisions, recent = PendingDecisions(), RecentBlocks()
+    prefixes = [tokens(seed, num_blocks * B) for seed in range(1, num_prefixes + 1)]
+    placed = [send_counting_recent(replicas, hint_of(f"new-{i}", p + tokens(300 + i, 5)), decisions, recent)
+              for i, p in enumerate(prefixes)]
+    per_replica = [placed.count(n) for n in names]
+    assert max(per_replica) - min(per_replica) <= 1, placed
+    for q in range(num_questions):
+        repeats = [send_counting_recent(replicas, hint_of(f"q{q}-{i}", p + tokens(400 + 10 * i + q, 7)), decisions,
+                                        recent) for i, p in enumerate(prefixes)]
+        assert repeats == placed
+
+
+def test_recent_blocks_keep_the_newest_up_to_capacity_and_follow_a_block_that_moved():
+    recent = RecentBlocks()
+    recent.add("a", [b"0", b"1", b"2"], capacity=4)
+    recent.add("b", [b"3", b"4"], capacity=4)  # b"0" is the oldest: dropped
+    assert list(recent.owner.items()) == [(b"1", "a"), (b"2", "a"), (b"3", "b"), (b"4", "b")]
+    assert (recent.num_blocks("a"), recent.num_blocks("b")) == (2, 2)
+    recent.add("b", [b"1"], capacity=4)  # sent to b now: b's, and the most recent
+    assert list(recent.owner.items()) == [(b"2", "a"), (b"3", "b"), (b"4", "b"), (b"1", "b")]
+    assert (recent.num_blocks("a"), recent.num_blocks("b")) == (1, 3)
+    recent.retain(["a"])  # b is gone (dead, scaled down): its blocks leave with it
+    assert list(recent.owner.items()) == [(b"2", "a")] and recent.num_blocks("b") == 0
+
+
+def test_capacity_is_each_replicas_pages_over_its_groups():
+    stats = [replica("r0").routing_stats, replica("r1").routing_stats, {}]
+    assert capacity_in_blocks(stats) == 2 * (1000 // len(WINDOWS))
