@@ -21,7 +21,7 @@ from bench import llamacpp
 from bench import peer_llamacpp as peer
 from bench.serve.client import RequestResult, is_token_chunk, request_of, run_load
 from bench.serve.trace import RequestSpec
-from tests.app.fakes import MODEL, ByteTokenizer, FakeBackend, LiveServer
+from tests.app.fakes import MODEL, ByteTokenizer, FakeBackend, LiveServer, wait_until
 
 TOKEN_DELAY_S = 0.03
 
@@ -88,10 +88,11 @@ def test_server_command_gives_every_slot_its_context():
 
 def test_running_server_is_stopped_on_the_way_out(tmp_path):
     command = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"]
-    with pytest.raises(RuntimeError), llamacpp.running_server(command, str(tmp_path / "log")) as process:
+    log = tmp_path / "log"
+    with pytest.raises(RuntimeError), llamacpp.running_server(command, str(log)) as process:
+        assert wait_until(lambda: log.read_text().startswith("up"), timeout_s=60)  # its output goes to the log
         raise RuntimeError("the bench failed while the server ran")
     assert process.poll() is not None  # terminated, not left running
-    assert (tmp_path / "log").read_text().startswith("up")
 
 
 @settings(max_examples=30, deadline=None)
