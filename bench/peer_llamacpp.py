@@ -129,12 +129,24 @@ def run_llamacpp(binary: str, model_path: str, traces: dict[int, list[RequestSpe
     return runs, commands
 
 
-def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args) -> Runs:
-    """configs/smollm2.yaml served once (aggregated: with AGGREGATED's changes), every c in turn."""
+def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args, attempts: int = 3) -> Runs:
+    """configs/smollm2.yaml served once (aggregated: with AGGREGATED's changes), every c in turn.
+
+    Serve's HTTP proxy must start within Ray's fixed 60 s; on a loaded machine it may not (the start
+    fails with ActorDiedError before any request), and then Serve is started again from scratch.
+    """
+    from ray.exceptions import ActorDiedError
+
     overrides = {system: AGGREGATED} if system == "windserve-aggregated" else None
-    with serving({system: CONFIG}, free_port(), args.max_seconds, overrides) as urls:
-        return {c: asyncio.run(run_load(urls[system], MODEL, trace, c, args.max_seconds, f"{system} c={c}",
-                                        chat=True)) for c, trace in traces.items()}
+    for attempt in range(1, attempts + 1):
+        try:
+            with serving({system: CONFIG}, free_port(), args.max_seconds, overrides) as urls:
+                return {c: asyncio.run(run_load(urls[system], MODEL, trace, c, args.max_seconds, f"{system} c={c}",
+                                                chat=True)) for c, trace in traces.items()}
+        except ActorDiedError as exc:
+            if attempt == attempts:
+                raise
+            progress(f"{system}: Serve did not start (attempt {attempt} of {attempts}: {str(exc)[:80]}); retrying")
 
 
 def summary_of(results: list[RequestResult], elapsed: float) -> dict:
