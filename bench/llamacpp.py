@@ -122,8 +122,10 @@ def ensure_f32(quantize_binary: str, quantized: str, cache_dir: str) -> str:
     if not os.path.isfile(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
         partial = out + ".partial"
-        subprocess.run([quantize_binary, "--allow-requantize", quantized, partial, "F32"],
-                       check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run([quantize_binary, "--allow-requantize", quantized, partial, "F32"],
+                              capture_output=True, text=True)  # a line per tensor: shown only on failure
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-quantize failed ({done.returncode}): {done.stderr[-2000:]}")
         os.replace(partial, out)
     return out
 

@@ -193,8 +193,11 @@ def target_figures(summaries: dict[str, dict[int, dict]]) -> dict:
     return figures
 
 
-def run_all(args) -> tuple[dict[str, Runs], dict]:
-    """Every selected system in turn, one server at a time; (runs, what was run: commands, versions)."""
+def run_all(args, save=lambda runs, setup: None) -> tuple[dict[str, Runs], dict]:
+    """Every selected system in turn, one server at a time; (runs, what was run: commands, versions).
+
+    ``save(runs, setup)`` after each system: a run stopped later keeps what was measured before.
+    """
     num_chars = prompt_chars(smollm2_token_counter(), PROMPT_TOKENS, args.seed)
     traces = make_traces(args.num_requests, num_chars, args.seed)
     setup, runs = {"prompt_chars": num_chars, "num_requests": args.num_requests}, {}
@@ -208,6 +211,7 @@ def run_all(args) -> tuple[dict[str, Runs], dict]:
                                                                        setup["log_dir"])
         else:
             runs[system] = run_windserve(system, traces, args)
+        save(runs, setup)
     return runs, setup
 
 
@@ -229,14 +233,21 @@ def prepare_llamacpp(args) -> dict:
             "f32_method": "llama-quantize --allow-requantize <Q4_1 file> <out> F32"}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    runs, setup = run_all(args)
+def save_json(args, runs: dict[str, Runs], setup: dict) -> tuple[str, dict, dict]:
+    """bench/results/peer_llamacpp[_quick].json of the systems run so far; (path, summaries, figures)."""
     summaries = {system: {c: summary_of(*run) for c, run in per_c.items()} for system, per_c in runs.items()}
     figures = target_figures(summaries)
     name = "peer_llamacpp_quick" if args.quick else "peer_llamacpp"
-    path = write_json(args.out, name, {"setup": setup, "summaries": summaries, "figures": figures})
+    path = write_json(args.out, name, {"setup": setup, "systems": list(runs), "summaries": summaries,
+                                       "figures": figures})
+    return path, summaries, figures
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    runs, setup = run_all(args, save=lambda runs, setup: save_json(args, runs, setup))
+    path, summaries, figures = save_json(args, runs, setup)
     print_table("same client, one server at a time", ["system", "c", "output tok/s", "TTFT p50 ms", "ITL p50 ms",
                                                       "failed", "prompt tokens"], table_rows(summaries))
     for key, entry in figures.items():
