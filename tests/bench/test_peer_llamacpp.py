@@ -8,6 +8,7 @@ over a fake backend (uvicorn on 127.0.0.1).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import sys
@@ -124,8 +125,8 @@ def fake_results(num: int, ttft_s: float, itl_s: float, num_prompt: int = 400) -
             for i in range(num)]
 
 
-def test_table_and_targets_from_fake_results():
-    """Per c: the best llama.cpp system by tok/s, each windserve system's ratios against it."""
+def test_table_and_targets_from_fake_results(tmp_path):
+    """Per c: the best llama.cpp system by tok/s, each windserve system's ratios against it; the JSON holds them."""
     runs = {"llamacpp-q4_1": {1: (fake_results(4, 1.0, 0.010), 10.0), 8: (fake_results(16, 4.0, 0.100), 32.0)},
             "llamacpp-f32": {1: (fake_results(4, 0.8, 0.020), 16.0), 8: (fake_results(16, 3.0, 0.080), 16.0)},
             "windserve-disagg": {1: (fake_results(4, 0.5, 0.012), 8.0), 8: (fake_results(16, 6.0, 0.090), 8.0)}}
@@ -145,6 +146,12 @@ def test_table_and_targets_from_fake_results():
     assert c8["best_llamacpp"] == "llamacpp-f32"  # 64 tok/s against Q4_1's 32
     assert c8["throughput_ratio"] == pytest.approx(2.0) and c8["ttft_p50_ratio"] == pytest.approx(2.0)
     assert summaries["llamacpp-f32"][8]["usage_reported"] and summaries["llamacpp-f32"][8]["output_tokens"] == [64]
+    path, _, saved_figures = peer.save_json(peer.parse_args(["--quick", "--out", str(tmp_path)]), runs, {"x": 1})
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    assert os.path.basename(path) == "peer_llamacpp_quick.json" and record["systems"] == list(runs)
+    assert record["figures"] == json.loads(json.dumps(saved_figures)) == json.loads(json.dumps(figures))
+    assert record["summaries"]["windserve-disagg"]["8"]["ttft_ms"]["p50"] == pytest.approx(6000.0)
 
 
 def test_chat_role_delta_is_not_a_token():
