@@ -42,18 +42,31 @@ class RequestResult:
 
 
 def is_token_chunk(choice: dict) -> bool:
-    text = choice.get("text") or (choice.get("delta") or {}).get("content")
+    """A chunk that carries output: text, or (completions) an empty text before the end. A chat
+    stream's opening ``{"role": "assistant", "content": ""}`` delta carries none: TTFT starts later."""
+    delta = choice.get("delta") or {}
+    text = choice.get("text") or delta.get("content")
+    if "role" in delta and not text:
+        return False
     return bool(text) or choice.get("finish_reason") is None
 
 
-async def send(client: httpx.AsyncClient, model: str, spec: RequestSpec) -> RequestResult:
-    """Stream one completion; the result records the chunk arrival times."""
+def request_of(model: str, spec: RequestSpec, chat: bool) -> tuple[str, dict]:
+    """(path, body): ``completions`` with the prompt, or ``chat/completions`` with it as one user message."""
+    body = {"model": model, "max_tokens": spec.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if chat:
+        return "chat/completions", body | {"messages": [{"role": "user", "content": spec.prompt}]}
+    return "completions", body | {"prompt": spec.prompt}
+
+
+async def send(client: httpx.AsyncClient, model: str, spec: RequestSpec, chat: bool = False) -> RequestResult:
+    """Stream one completion (``chat``: a chat completion); the result records the chunk arrival times."""
     result = RequestResult(spec.index, spec.is_long)
-    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "ignore_eos": True,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    path, body = request_of(model, spec, chat)
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "completions", json=body) as reply:
+        async with client.stream("POST", path, json=body) as reply:
             if reply.status_code != 200:
                 raise RuntimeError(f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}")
             async for line in reply.aiter_lines():
@@ -88,7 +101,8 @@ async def send(client: httpx.AsyncClient, model: str, spec: RequestSpec) -> Requ
 
 
 async def run_load(base_url: str, model: str, trace: list[RequestSpec], concurrency: int | None,
-                   max_seconds: float, label: str = "", timeout_s: float = 120.0) -> tuple[list[RequestResult], float]:
+                   max_seconds: float, label: str = "", timeout_s: float = 120.0,
+                   chat: bool = False) -> tuple[list[RequestResult], float]:
     """Send ``trace`` at its arrival times, at most ``concurrency`` in flight; (results, wall seconds).
 
     Requests still unanswered after ``max_seconds`` are cancelled and count as failed.
@@ -102,7 +116,7 @@ async def run_load(base_url: str, model: str, trace: list[RequestSpec], concurre
         async def one(spec: RequestSpec) -> None:
             await asyncio.sleep(max(0.0, spec.arrival_s - (time.perf_counter() - start)))
             async with limit:
-                results.append(await send(client, model, spec))
+                results.append(await send(client, model, spec, chat))
 
         tasks = [asyncio.create_task(one(spec)) for spec in trace]
         reporter = asyncio.create_task(_report_progress(label, results, len(trace), start))

