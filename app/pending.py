@@ -23,8 +23,8 @@ one replica given more than its share evicts the newest of them before their
 next question. So the router also remembers the blocks it sent to each
 replica, most recent last, as many as all replicas together hold
 (``RecentBlocks``): what LRU caches keep of its own placements. Among replicas
-equal in cost and empty pages, a new prefix goes to the one holding the
-fewest of them::
+equal in cost, a new prefix goes to the one holding the fewest of them, then
+to the one with the most empty pages (which also show other routers' blocks)::
 
     sent: p0 -> A, p1 -> B, p2 -> ?   recent blocks A 137, B 137: either; p2 -> A
           p3 -> ?                     A 274, B 137: B      (the old prefixes on both are evicted alike)

@@ -20,10 +20,12 @@ prefills locally) or the pages to pull (a generation replica receiving the KV:
 ``hit`` then counts the slice blocks it holds, by ordinal, ``ReplicaView.pull_hit``)
 this replica would add; ``queued_prefill_tokens`` the prefill work
 ahead of it there; ``ongoing_requests`` Serve's own queue length (or the
-replica's running + waiting when Serve has none yet). Among equal costs (a
-prompt no replica holds, no queues: every new conversation at low load) the
-replica with the most empty pages (free and holding no cached block) ranks
-first, so new prefixes spread by cache footprint, not by chance: the caches of
+replica's running + waiting when Serve has none yet; a live 0 from Serve
+zeroes a stale ``queued_prefill_tokens``). Among equal costs (a prompt no
+replica holds, no queues: every new conversation at low load) the replica
+holding the fewest of the blocks this router sent out recently ranks first
+(app.pending.RecentBlocks), then the one with the most empty pages (free and
+holding no cached block), so new prefixes spread by cache footprint, not by chance: the caches of
 N replicas then hold N times the prefixes of one, where a random spread
 overfills one replica's cache while another's stands empty. Replicas that
 have not reported rank last.
@@ -32,9 +34,8 @@ The router counts its own decisions (app.pending): a request's blocks join its
 view of the replica it was sent to at once, and the pages they take leave that
 view's free and empty pages, until a report of the replica shows the request.
 A burst of new prefixes within one report period thus spreads by what each
-replica will hold, not by what it held a period ago; with every cache full (no
-empty pages anywhere), by the blocks the router sent to each replica recently
-(app.pending.RecentBlocks). Serve takes the first replica of the first rank
+replica will hold, not by what it held a period ago, also with every cache full
+(no empty pages anywhere: the recent blocks decide). Serve takes the first replica of the first rank
 that accepts (its queue below ``max_ongoing_requests``).
 
 Sticky cancellation: an ``abort`` must reach the replica that holds the
@@ -157,10 +158,16 @@ class CostScales:
 
 
 def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, scales: CostScales) -> float:
-    """The module docstring's cost; lower is better."""
+    """The module docstring's cost; lower is better.
+
+    ``num_ongoing``: Serve's live count of the requests at the replica (incremented on send,
+    decremented on completion), None when it has none. Live 0 means nothing is queued there,
+    whatever the report (a period old) says: after a burst, a stale ``queued_prefill_tokens``
+    sent the next questions of the burst's prefixes away from the replicas that held them."""
     uncached = max(hint.num_prompt_tokens - view.hit(hint), 0)
     ongoing = view.num_ongoing if num_ongoing is None else num_ongoing
-    cost = scales.prefill_load_scale * (view.queued_prefill_tokens + uncached) + scales.decode_load_scale * ongoing
+    queued = 0 if num_ongoing == 0 else view.queued_prefill_tokens
+    cost = scales.prefill_load_scale * (queued + uncached) + scales.decode_load_scale * ongoing
     return cost if view.can_hold(uncached) else cost + FULL_PENALTY
 
 
@@ -169,8 +176,8 @@ def rank_replicas(
     pending_of: Callable[[Any, ReplicaView], Sequence[RoutingHint]] = lambda replica, view: (),
     recent_of: Callable[[Any], int] = lambda replica: 0,
 ) -> list[list[Any]]:
-    """One rank per reported replica, cheapest first (equal costs: most empty pages first, then
-    the fewest blocks this router sent there recently), then the unreported ones as one rank.
+    """One rank per reported replica, cheapest first (equal costs: the fewest blocks this router
+    sent there recently first, then the most empty pages), then the unreported ones as one rank.
 
     ``replicas``: anything with ``routing_stats``; ``hint`` None (no prompt) scores load only.
     ``pending_of(replica, view)``: the requests sent there that ``view`` (its report) does not show yet.
@@ -186,7 +193,7 @@ def rank_replicas(
         else:
             view = with_pending(view, pending_of(replica, view))
             cost = replica_cost(view, hint, queue_len(replica), scales)
-            scored.append((cost, -view.num_empty_pages, recent_of(replica), replica))
+            scored.append((cost, recent_of(replica), -view.num_empty_pages, replica))
     scored.sort(key=lambda entry: entry[:3])
     return [[entry[-1]] for entry in scored] + ([unknown] if unknown else [])
 

@@ -33,6 +33,7 @@ class RequestResult:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     traces: list[dict] = field(default_factory=list)  # chunks' windserve_trace + "client" (bench.serve_path)
+    request_id: str | None = None  # the chunks' ``id``
 
     @property
     def tpot_s(self) -> float | None:
@@ -75,6 +76,7 @@ async def send(client: httpx.AsyncClient, model: str, spec: RequestSpec, chat: b
                 chunk, now = json.loads(line[len("data: "):]), time.perf_counter()
                 if "error" in chunk:
                     raise RuntimeError(f"stream error: {chunk['error']}")
+                result.request_id = result.request_id or chunk.get("id")
                 if "windserve_trace" in chunk:  # the server's hop times (WINDSERVE_TRACE_PATH=1)
                     result.traces.append({**chunk["windserve_trace"], "client": time.monotonic()})
                 if chunk.get("usage"):

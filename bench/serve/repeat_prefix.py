@@ -78,6 +78,13 @@ def hit_figures(trace: list[RequestSpec], results: list[RequestResult], system_l
             "cached_tokens_of_misses": [r.num_cached_tokens for r in repeats if r not in hits]}
 
 
+def request_paths(app_name: str) -> dict[str, str]:
+    """The ingress's path of each recent request (app.serve_backend: context, local, fell back, ...)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("Ingress", app_name=app_name).request_paths.remote().result(timeout_s=30)
+
+
 def runs_of_router(args: argparse.Namespace, router: str, sizes: dict) -> list[dict]:
     """Every pattern's runs, one app: the first run on empty caches, each later one on caches full of
     the earlier runs' prompts (a server's steady state: nothing free, the old prefixes to evict)."""
@@ -92,8 +99,13 @@ def runs_of_router(args: argparse.Namespace, router: str, sizes: dict) -> list[d
                 trace = make_repeat_trace(**sizes, seed=seed)
                 results = asyncio.run(send_in_pattern(urls[router], model, trace, pattern, args.max_seconds))
                 figures = hit_figures(trace, results, sizes["system_len"])
+                paths = request_paths(router)
+                figures["paths_of_misses"] = [paths.get(r.request_id, "unknown") for r in results
+                                              if r.index >= sizes["num_prompts"]
+                                              and r.num_cached_tokens < HIT_FRACTION * sizes["system_len"]]
                 progress(f"{router} router, {pattern}, seed {seed}: {figures['num_hits']}/{figures['num_repeats']} "
-                         f"repeats hit, misses cached {figures['cached_tokens_of_misses']}")
+                         f"repeats hit, misses cached {figures['cached_tokens_of_misses']} "
+                         f"by {figures['paths_of_misses']}")
                 runs.append({"router": router, "pattern": pattern, "seed": seed, "is_fresh": not runs, **figures,
                              "requests": [asdict(r) for r in results]})
     return runs

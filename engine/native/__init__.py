@@ -25,6 +25,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +37,12 @@ def _build_tag() -> str:
     """The sources (headers included: torch's builder versions the listed sources only), the CPU (the
     build uses ``-march=native``, so a cache shared by two kinds of CPU must not mix their builds) and
     the checkout's path: torch's build folder records its sources' paths, so two checkouts of the same
-    sources sharing one folder rebuilt it in turn, each under the other's lock (seen in session 13)."""
+    sources sharing one folder rebuilt it in turn, each under the other's lock (seen in session 13); and
+    the ``ninja`` on PATH: ninja 1.12 changed the command hash in its build log, so a shell with the
+    venv's ninja (1.13) and one with the system's (1.11) rebuilt one folder in turn (session 14)."""
     digest = hashlib.sha1(platform.machine().encode())
     digest.update(_HERE.encode())
+    digest.update(_ninja_version().encode())
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
             digest.update(next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "").encode())
@@ -47,6 +52,16 @@ def _build_tag() -> str:
         with open(path, "rb") as source:
             digest.update(source.read())
     return digest.hexdigest()[:12]
+
+
+def _ninja_version() -> str:
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return ""
+    try:
+        return ninja + subprocess.run([ninja, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ninja
 
 
 @functools.cache

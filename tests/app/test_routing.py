@@ -145,3 +145,14 @@ def test_new_conversations_spread_by_cache_footprint(num_replicas, num_conversat
         assert cached[first] == min(cached.values())
         cached[first] += lengths[c]
     assert max(cached.values()) - min(cached.values()) <= max(lengths[:num_conversations])
+
+
+def test_a_live_empty_queue_outweighs_a_stale_report_of_queued_prefills():
+    """After a burst, the report (a period old) still shows the holder's queued prefills; Serve's live
+    count says nothing is there any more: the repeat goes to the holder. While Serve counts requests
+    there, the queued tokens count as reported."""
+    hint = prompt_hint(1000)
+    holder, other = replica("holder", holding(hint, 60), queued=5000), replica("other")
+    assert order([holder, other], hint, {"holder": 0, "other": 0}) == ["holder", "other"]
+    assert order([holder, other], hint, {"holder": 2, "other": 0}) == ["other", "holder"]
+    assert order([holder, other], hint) == ["other", "holder"]  # no live count: the report decides
