@@ -39,7 +39,8 @@ SYSTEMS = {  # --systems name: the table's label
 }
 CONFIG = os.path.join("configs", "smollm2.yaml")
 AGGREGATED = {"mode": "aggregated", "transport": "local", "torch_threads": 2, "context_num_pages": None,
-              "generation_num_pages": None, "local_prefill_max_tokens": 0}
+              "generation_num_pages": None, "context_eviction": None, "generation_eviction": None,
+              "local_prefill_max_tokens": 0}  # the disagg roles' own fields unset: aggregated refuses them
 MODEL = "smollm2-135m-instruct"
 NUM_REQUESTS = {"full": {1: 16, 8: 64}, "quick": {1: 4, 8: 16}}  # per concurrency
 PROMPT_TOKENS, OUTPUT_TOKENS = 400, 64
