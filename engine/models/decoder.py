@@ -19,6 +19,7 @@ from engine.attention_plan import GroupAttention, build_group_attention
 from engine.forward import ForwardBatch
 from engine.gpu.paged_attention import paged_decode_attention, write_kv
 from engine.layout import LayerSlot, head_dim, layer_slots, num_kv_heads
+from engine.models import native_stack
 from engine.models.layers import RMSNorm, RotaryEmbedding, apply_rope
 from engine.models.packed import can_pack, gemv_layout, linear, pack
 from engine.models.quantized import QuantizedWeight
@@ -143,10 +144,13 @@ class PagedSelfAttention(nn.Module):
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
-    """Every attention layer's q/k/v in one matmul (``PagedSelfAttention.fuse_qkv``); weights loaded first."""
+    """Every attention layer's q/k/v in one matmul (``PagedSelfAttention.fuse_qkv``), and every MLP's gate and
+    up where the MLP can (``GatedMLP.fuse_gate_up``: quantized weights); weights loaded first."""
     for module in model.modules():
         if isinstance(module, PagedSelfAttention):
             module.fuse_qkv()
+        elif hasattr(module, "fuse_gate_up"):
+            module.fuse_gate_up()
     return model
 
 
@@ -243,14 +247,27 @@ class DecoderForCausalLM(nn.Module):
 
     def _logits(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor | None):
         hidden = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            hidden = layer(hidden, ctx)
+        stack = self._native_stack()
+        if stack is not None and stack.fits(hidden, ctx):
+            hidden = stack(hidden, ctx)
+        else:
+            for layer in self.model.layers:
+                hidden = layer(hidden, ctx)
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         hidden = self.model.norm(hidden)
         if self.tie_word_embeddings:
             return linear(hidden, self.model.embed_tokens.weight, None, self.packed_head).float()
         return self.lm_head(hidden).float()
+
+    def _native_stack(self):
+        """engine.models.native_stack's one-call layers for few-row steps, built at the first step (weights
+        loaded, fused and packed by then); None where the model's layers are not ones it runs."""
+        if not native_stack.enabled():
+            return None
+        if not hasattr(self, "_stack"):
+            self._stack = native_stack.build(self)
+        return self._stack
 
     def _context(self, batch: ForwardBatch) -> ForwardContext:
         device = batch.input_ids.device

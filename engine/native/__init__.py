@@ -11,7 +11,9 @@ extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
 - ``rows_linear``: the matmul of a few rows (a decode step's), each weight row read once as one
   memory stream (``engine.models.packed``);
 - ``quant_linear``, ``quant_matmul``, ``quant_rows``: matmuls on GGUF weights kept in their Q8_0 / Q4_0 /
-  Q4_1 blocks, and their rows dequantized (``engine.models.quantized``).
+  Q4_1 blocks, and their rows dequantized (``engine.models.quantized``);
+- ``DecodeStack``: every layer of a Llama-family decoder for a few-row step, one call from Python
+  (``engine.models.native_stack``).
 
 Where the build fails (no compiler) or ``WINDSERVE_NATIVE=0``, the accessors return None and the
 callers keep their torch path.
@@ -31,6 +33,12 @@ import subprocess
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# -fopenmp: at::parallel_for is inline code that forks only where the extension is built with OpenMP
+# (torch's CPU wheels run their intra-op pool on OpenMP); without it every kernel ran on one thread
+# whatever torch.set_num_threads said. The extension links libgomp.so.1, the soname torch's own copy has,
+# so the loader reuses torch's runtime and its thread count.
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+_LDFLAGS = ["-fopenmp"]
 
 
 def _build_tag() -> str:
@@ -41,6 +49,7 @@ def _build_tag() -> str:
     the ``ninja`` on PATH: ninja 1.12 changed the command hash in its build log, so a shell with the
     venv's ninja (1.13) and one with the system's (1.11) rebuilt one folder in turn (session 14)."""
     digest = hashlib.sha1(platform.machine().encode())
+    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     digest.update(_HERE.encode())
     digest.update(_ninja_version().encode())
     try:
@@ -73,7 +82,7 @@ def _module():
 
         return load(name=f"windserve_native_{_build_tag()}",
                     sources=sorted(glob.glob(os.path.join(_HERE, "*.cpp"))),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off"], verbose=False)
+                    extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)
     except Exception as error:  # noqa: BLE001 - any build failure means: keep the torch paths
         logger.warning("native CPU kernels unavailable, the torch paths run instead: %s", error)
         return None
@@ -129,6 +138,12 @@ def rms_norm_kernel():
 def write_kv_kernel():
     """``write_kv(cache, layer, write_rows, key, value)`` (kv_write.cpp), or None."""
     return _kernel("write_kv")
+
+
+def decode_stack_class():
+    """``DecodeStack`` (decode_stack.cpp): a Llama-family decoder's layers for a few-row step in one call
+    (engine.models.native_stack), or None."""
+    return _kernel("DecodeStack")
 
 
 def quant_linear_kernel():

@@ -1,5 +1,7 @@
 #include "kernels.h"
 
+void bind_decode_stack(pybind11::module& m);  // decode_stack.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "attention of a few new queries per request, read from the KV pages");
   m.def("clamped_swiglu", &clamped_swiglu, "GPT-OSS's clamped SwiGLU over interleaved gate/up rows, one pass");
@@ -12,5 +14,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W.T + bias for a few rows, W in GGUF blocks (Q8_0, Q4_0, Q4_1)");
   m.def("quant_rows", &quant_rows, "rows of a GGUF-quantized weight, dequantized to float32");
   m.def("quant_matmul", &quant_matmul, "x @ W.T + bias for many rows, W dequantized a tile at a time");
+  bind_decode_stack(m);
   m.def("write_kv", &write_kv, "a step's new K and V rows of one layer into their pages");
 }

@@ -24,6 +24,14 @@
 
 namespace {
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+inline float sum_8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 // exp(w - max) in place over w[0, n), the sink (if any) taking part in the maximum; returns the
 // softmax's denominator, the sink's term included.
 inline float softmax_numerators(float* w, int64_t n, const float* sink) {
@@ -40,6 +48,15 @@ inline float softmax_numerators(float* w, int64_t n, const float* sink) {
     sum = _mm512_add_ps(sum, e);
   }
   total += _mm512_reduce_add_ps(sum);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 top8 = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = windserve::exp_clamped_8(_mm256_sub_ps(_mm256_loadu_ps(w + j), top8));
+    _mm256_storeu_ps(w + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  total += sum_8(sum);
 #endif
   for (; j < n; ++j) {
     w[j] = windserve::exp_clamped(w[j] - top);
@@ -119,6 +136,42 @@ void values_16(const float* w, const float* const* keys, int64_t half, int64_t n
   const __m512 inverse = _mm512_set1_ps(1.f / total);
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inverse));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// Head size 8 * C on AVX2 (no AVX-512): the same as above on 8 lanes.
+template <int C>
+void scores_8(const float* q, const float* const* keys, int64_t half, int64_t n, float scale, float* w) {
+  __m256 qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm256_loadu_ps(q + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch_row(keys[std::min(j + kAhead, n - 1)] + half, 8 * C);  // for values_8, next
+    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(keys[j])), b = _mm256_setzero_ps();
+    for (int c = 1; c < C; ++c) {
+      if (c % 2) b = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(keys[j] + 8 * c), b);
+      else a = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(keys[j] + 8 * c), a);
+    }
+    w[j] = sum_8(_mm256_add_ps(a, b)) * scale;
+  }
+}
+
+template <int C>
+void values_8(const float* w, const float* const* keys, int64_t half, int64_t n, float total, float* out) {
+  __m256 even[C], odd[C];  // two chains of additions, every other key each
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const __m256 w0 = _mm256_set1_ps(w[j]), w1 = _mm256_set1_ps(w[j + 1]);
+    for (int c = 0; c < C; ++c) {
+      even[c] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(keys[j] + half + 8 * c), even[c]);
+      odd[c] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(keys[j + 1] + half + 8 * c), odd[c]);
+    }
+  }
+  if (j < n) {
+    const __m256 w0 = _mm256_set1_ps(w[j]);
+    for (int c = 0; c < C; ++c) even[c] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(keys[j] + half + 8 * c), even[c]);
+  }
+  const __m256 inverse = _mm256_set1_ps(1.f / total);
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_add_ps(even[c], odd[c]), inverse));
+}
 #endif
 
 void scores(const float* q, const float* const* keys, int64_t half, int64_t n, int64_t dim, float scale, float* w) {
@@ -127,6 +180,11 @@ void scores(const float* q, const float* const* keys, int64_t half, int64_t n, i
     case 32: return scores_16<2>(q, keys, half, n, scale, w);
     case 64: return scores_16<4>(q, keys, half, n, scale, w);
     case 128: return scores_16<8>(q, keys, half, n, scale, w);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  switch (dim) {
+    case 32: return scores_8<4>(q, keys, half, n, scale, w);
+    case 64: return scores_8<8>(q, keys, half, n, scale, w);
   }
 #endif
   scores_any(q, keys, half, n, dim, scale, w);
@@ -138,6 +196,11 @@ void values(const float* w, const float* const* keys, int64_t half, int64_t n, i
     case 32: return values_16<2>(w, keys, half, n, total, out);
     case 64: return values_16<4>(w, keys, half, n, total, out);
     case 128: return values_16<8>(w, keys, half, n, total, out);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  switch (dim) {
+    case 32: return values_8<4>(w, keys, half, n, total, out);
+    case 64: return values_8<8>(w, keys, half, n, total, out);
   }
 #endif
   values_any(w, keys, half, n, dim, total, out);
@@ -181,11 +244,17 @@ void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t laye
   const int64_t* table = tables.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_req * num_kv, 1, [&](int64_t begin, int64_t end) {
+  // Work items: (request, KV head), or (request, KV head, query head of its group) when there are too few
+  // of those to keep every thread busy (a batch of one has Hkv items: SmolLM2's 3 split 2:1 over two
+  // threads). A head's result does not depend on the split.
+  const int64_t splits = num_req * num_kv < 4 * at::get_num_threads() ? group : 1;
+  at::parallel_for(0, num_req * num_kv * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights;
     std::vector<const float*> keys;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / num_kv, h = item % num_kv, seq = slens[r], num_q = qlens[r];
+      const int64_t unit = item / splits, part = item % splits;
+      const int64_t g_first = part * group / splits, g_last = (part + 1) * group / splits;
+      const int64_t r = unit / num_kv, h = unit % num_kv, seq = slens[r], num_q = qlens[r];
       const int64_t first = window > 0 ? std::max<int64_t>(0, seq - num_q - window + 1) : 0;
       keys.resize(seq - first);  // KV head h's key of every position read, in this layer
       for (int64_t p = first; p < seq; ++p) {
@@ -197,7 +266,7 @@ void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t laye
       for (int64_t i = 0; i < num_q; ++i) {
         const int64_t pos = seq - num_q + i;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) - first : 0, n = pos - first + 1 - lo;
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = g_first; g < g_last; ++g) {
           const int64_t head = h * group + g;
           scores(q + (rows[r] + i) * query_stride + head * head_dim, keys.data() + lo, half, n, head_dim, fscale,
                  weights.data());

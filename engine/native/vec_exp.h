@@ -1,9 +1,9 @@
-// exp(x) in float32 for the native kernels, scalar and on 16 AVX-512 lanes, the same arithmetic:
+// exp(x) in float32 for the native kernels, scalar, on 16 AVX-512 lanes and on 8 AVX2 lanes, the same arithmetic:
 // x clamped to [-87, 88] (exp(-87) = 1.6e-38 stands in for anything smaller; 2^k stays a normal
 // float), x = k ln 2 + r with |r| <= ln 2 / 2, exp(r) by Cephes' degree-7 polynomial (about 1 ulp).
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -43,6 +43,20 @@ inline __m512 exp_clamped_16(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(k), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp_clamped_8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLow)), _mm256_set1_ps(kExpHigh));
+  const __m256 k = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Low), _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2High), x));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif
 
