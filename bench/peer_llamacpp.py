@@ -14,7 +14,9 @@ the same weights (llama-quantize --allow-requantize ... F32). llama-server is bu
 One server at a time (never two loading the CPU at once). Client: closed loop, ``c`` streaming chat
 requests in flight, distinct seeded random prompts of about 400 tokens (chat template included), 64 output
 tokens with ignore_eos; 16 requests at c = 1, 64 at c = 8 (--quick: 4 and 16). Every request must report
-64 completion tokens in its usage chunk, or it counts as failed.
+64 completion tokens in its usage chunk, or it counts as failed. Every request opens its own connection
+(``keepalive=False``, both servers alike): llama-server closes a kept-alive connection after 5 requests, and
+a request racing that close failed with "server disconnected" (1-3 per run before).
 """
 
 from __future__ import annotations
@@ -124,9 +126,9 @@ def run_llamacpp(binary: str, model_path: str, traces: dict[int, list[RequestSpe
             url = f"http://127.0.0.1:{port}"
             wait_healthy(url, timeout_s=300)
             warmup = make_trace(NUM_WARMUP, 200, 8, spread=0.0, seed=args.seed + 99)
-            asyncio.run(run_load(f"{url}/v1", MODEL, warmup, 1, args.max_seconds, chat=True))
+            asyncio.run(run_load(f"{url}/v1", MODEL, warmup, 1, args.max_seconds, chat=True, keepalive=False))
             runs[c] = asyncio.run(run_load(f"{url}/v1", MODEL, trace, c, args.max_seconds,
-                                           f"{os.path.basename(model_path)} c={c}", chat=True))
+                                           f"{os.path.basename(model_path)} c={c}", chat=True, keepalive=False))
     return runs, commands
 
 
@@ -143,7 +145,7 @@ def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args, attem
         try:
             with serving({system: CONFIG}, free_port(), args.max_seconds, overrides) as urls:
                 return {c: asyncio.run(run_load(urls[system], MODEL, trace, c, args.max_seconds, f"{system} c={c}",
-                                                chat=True)) for c, trace in traces.items()}
+                                                chat=True, keepalive=False)) for c, trace in traces.items()}
         except ActorDiedError as exc:
             if attempt == attempts:
                 raise

@@ -38,12 +38,12 @@ from bench.common import ainterleave, median, print_table, progress, torch_threa
 from bench.serve.client import RequestResult, run_alternating, run_load
 from bench.serve.compare import serving
 from bench.serve.stats import percentiles_ms, summarize
+from bench.peer_llamacpp import AGGREGATED
 from bench.serve.trace import make_trace
 
 CONFIG = os.path.join("configs", "smollm2.yaml")
 MODEL = "smollm2-135m-instruct"
-OVERRIDES = {"aggregated": {"mode": "aggregated", "torch_threads": 2,  # the aggregated run
-                            "context_num_pages": None, "generation_num_pages": None},  # disagg-only fields
+OVERRIDES = {"aggregated": AGGREGATED,  # the aggregated run (torch_threads 2), disagg-only fields unset
              "disagg": {}}
 # (column, from stamp, to stamp): a token's hops, in path order
 HOPS = (("step", "step_start", "step_end"), ("loop wakeup", "step_end", "loop_get"),

@@ -104,14 +104,17 @@ async def send(client: httpx.AsyncClient, model: str, spec: RequestSpec, chat: b
 
 async def run_load(base_url: str, model: str, trace: list[RequestSpec], concurrency: int | None,
                    max_seconds: float, label: str = "", timeout_s: float = 120.0,
-                   chat: bool = False) -> tuple[list[RequestResult], float]:
+                   chat: bool = False, keepalive: bool = True) -> tuple[list[RequestResult], float]:
     """Send ``trace`` at its arrival times, at most ``concurrency`` in flight; (results, wall seconds).
 
-    Requests still unanswered after ``max_seconds`` are cancelled and count as failed.
+    Requests still unanswered after ``max_seconds`` are cancelled and count as failed. ``keepalive=False``:
+    a new connection per request. llama-server (cpp-httplib) closes a connection after 5 requests, and a
+    request sent on it as it closes fails with "server disconnected" (1-3 of 16 in session 14's runs).
     """
     limit = asyncio.Semaphore(concurrency or len(trace))
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=(concurrency or len(trace)) + 4)
+    limits = httpx.Limits(max_connections=(concurrency or len(trace)) + 4,
+                          max_keepalive_connections=None if keepalive else 0)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", timeout=timeout_s, limits=limits) as client:
         start = time.perf_counter()
 

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <functional>
 #include <vector>
 
 void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t layer, const at::Tensor& first_rows,
@@ -38,6 +39,10 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t k
                         const c10::optional<at::Tensor>& bias, int64_t tile_rows);
 
 namespace windserve {
+// f(first, last) over [0, n) in chunks of `grain`, on the calling thread and work_pool.cpp's helpers
+// (at::get_num_threads() in all); returns when every chunk is done. A helper the OS has not scheduled
+// takes no chunk and is not waited for (at::parallel_for's barrier waits for every thread).
+void parallel_chunks(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
 // y[t, :] = weight @ x[t, :] + bias for t < rows (gemv.cpp); weight [out, in] contiguous, bias may be null.
 void linear_rows(const float* x, int64_t rows, int64_t x_stride, const float* weight, const float* bias,
                  int64_t out, int64_t in, float* y, int64_t y_stride);

@@ -246,9 +246,9 @@ void paged_decode(const at::Tensor& query, const at::Tensor& cache, int64_t laye
 
   // Work items: (request, KV head), or (request, KV head, query head of its group) when there are too few
   // of those to keep every thread busy (a batch of one has Hkv items: SmolLM2's 3 split 2:1 over two
-  // threads). A head's result does not depend on the split.
+  // threads); claimed one at a time (work_pool.cpp). A head's result does not depend on who computes it.
   const int64_t splits = num_req * num_kv < 4 * at::get_num_threads() ? group : 1;
-  at::parallel_for(0, num_req * num_kv * splits, 1, [&](int64_t begin, int64_t end) {
+  windserve::parallel_chunks(num_req * num_kv * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights;
     std::vector<const float*> keys;
     for (int64_t item = begin; item < end; ++item) {

@@ -22,6 +22,7 @@
 // time they lived on the stack, and every block waited on a store-to-load round trip: 1.5x slower).
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -38,7 +39,10 @@ using windserve::kQ4_1;
 using windserve::kQ8_0;
 
 constexpr int64_t kTileBytes = 64 * 1024;  // weight rows per tile: stays in L2 across the groups of rows
-constexpr int64_t kGrainWeights = 1 << 16;  // weights per thread's share at least (a fork costs a few us)
+// weights per chunk (work_pool.cpp): SmolLM2's [576, 576] in 20 chunks, so a thread the OS takes away
+// leaves little for the others to wait on; claiming a chunk costs one atomic add
+constexpr int64_t kChunkWeights = 1 << 14;
+constexpr int64_t kMaxChunks = 64;  // a large weight (the LM head) in chunks of more rows: fewer claims
 
 // xsum[t][b] = X_b, block b's 32 activations summed: ((x[l] + x[8 + l]) + (x[16 + l] + x[24 + l])) over
 // lanes l, the lanes in a fixed tree. Q4_1's m term per block.
@@ -196,8 +200,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t k
   float* ys = y.data_ptr<float>();
   const std::vector<float> sums = kind == kQ4_1 ? block_sums(xs, rows, in) : std::vector<float>();
   const float* xsum = sums.empty() ? nullptr : sums.data();
-  // each output is computed by one thread, the same way whatever the split: the split changes no bits
-  at::parallel_for(0, out, std::max<int64_t>(1, kGrainWeights / in), [&](int64_t first, int64_t last) {
+  // each output is computed by one thread, the same way whatever the split or the thread: no bit changes
+  const int64_t grain = std::max({int64_t{1}, kChunkWeights / in, (out + kMaxChunks - 1) / kMaxChunks});
+  windserve::parallel_chunks(out, grain, [&](int64_t first, int64_t last) {
     switch (kind) {
       case kQ8_0: linear_range<kQ8_0>(data, row_bytes, in, xs, rows, xsum, b, ys, out, first, last); break;
       case kQ4_0: linear_range<kQ4_0>(data, row_bytes, in, xs, rows, xsum, b, ys, out, first, last); break;

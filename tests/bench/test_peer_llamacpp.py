@@ -184,3 +184,41 @@ def test_chat_client_times_the_first_content_not_the_role_chunk(base_url):
         assert r.num_prompt_tokens == len(ByteTokenizer().apply_chat_template([{"role": "user",
                                                                                 "content": spec.prompt}]))
 
+
+
+def test_without_keepalive_every_request_opens_its_own_connection():
+    """``keepalive=False`` (the peer bench, both servers): a server that closes kept-alive connections (as
+    llama-server does after 5 requests) cannot fail a request that raced the close; counted server side."""
+    connections = []
+    body = ("data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]})
+            + "\n\ndata: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}})
+            + "\n\ndata: [DONE]\n\n").encode()
+
+    async def handle(reader, writer):
+        connections.append(writer)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:  # the client closed the connection
+                break
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length"))
+            await reader.readexactly(length)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+        writer.close()
+
+    async def main(keepalive: bool) -> int:
+        connections.clear()
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        trace = [RequestSpec(i, 0.0, "hi", 1) for i in range(6)]
+        results, _ = await run_load(f"http://127.0.0.1:{port}/v1", MODEL, trace, 1, max_seconds=30, chat=True,
+                                    keepalive=keepalive)
+        server.close()
+        assert all(r.ok for r in results), [r.error for r in results]
+        return len(connections)
+
+    assert asyncio.run(main(keepalive=False)) == 6
+    assert asyncio.run(main(keepalive=True)) == 1

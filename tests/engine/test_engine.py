@@ -5,9 +5,23 @@ import random
 import pytest
 
 from engine import PromptTooLongError, SamplingParams
+from engine.draft_policy import DraftLengthPolicy
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture
+def clockless_drafts(monkeypatch):
+    """The draft policy fed step times from a fixed cost line (2 ms + 0.5 ms a query token) instead of the
+    clock: how much it drafts then depends on acceptance alone, not on how loaded the machine is (a
+    loaded run once drafted 3 times and had none accepted)."""
+    record = DraftLengthPolicy.record_step
+
+    def fixed(self, scheduled, seconds):
+        record(self, scheduled, 0.002 + 0.0005 * sum(item.num_query_tokens for item in scheduled))
+
+    monkeypatch.setattr(DraftLengthPolicy, "record_step", fixed)
 
 
 def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -31,7 +45,7 @@ def test_batched_equals_alone_with_chunked_prefill(tiny_model):
 
 
 @pytest.mark.parametrize("draft_len", [1, 2, 3, 4])
-def test_speculative_greedy_output_is_identical(tiny_model, draft_len):
+def test_speculative_greedy_output_is_identical(tiny_model, draft_len, clockless_drafts):
     """With the adaptive policy as served; half the prompts repeat a unit, so drafts are proposed and
     some accepted: identical output is then speculation's doing, not speculation switched off."""
     prompts = mixed_prompts(6, seed=1)
@@ -56,7 +70,7 @@ def test_speculative_seeded_output_is_identical(tiny_model, draft_len):
     assert engine.num_drafts_accepted > 0  # speculation really ran, and some drafts passed
 
 
-def test_drafts_are_accepted_on_repetitive_prompts(tiny_model):
+def test_drafts_are_accepted_on_repetitive_prompts(tiny_model, clockless_drafts):
     engine = make_engine(tiny_model, tokens_per_block=8, max_draft_len=3)
     prompt = [10, 20, 30, 40, 50] * 8
     engine.add_request("rep", prompt, SamplingParams(max_tokens=40, ignore_eos=True))

@@ -135,3 +135,25 @@ def test_quantized_weight_rows_split_and_cat(kernels):
     with pytest.raises(ValueError, match="not Q4_0 blocks"):
         QuantizedWeight(blocks, int(GGMLQuantizationType.Q4_0))
     assert np.isclose(qw.nbytes / weight.numel(), 34 / 32)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 8), out_features=st.integers(1, 3000), in_blocks=st.integers(1, 24),
+       kind=st.sampled_from(KINDS), seed=st.integers(0, 10_000))
+def test_few_rows_are_the_same_on_any_number_of_threads(kernels, rows, out_features, in_blocks, kind, seed):
+    """The few-row kernel's outputs are cut into chunks that any thread of engine/native/work_pool.cpp
+    claims: 1, 2 or 3 threads (more than this box's cores) give the same bits, call after call."""
+    linear, _, _ = kernels
+    gen = torch.Generator().manual_seed(seed)
+    blocks, _ = quantized(out_features, 32 * in_blocks, kind, gen)
+    x = torch.randn(rows, 32 * in_blocks, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = linear(x, blocks, int(kind), None)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for _ in range(3):
+                assert torch.equal(linear(x, blocks, int(kind), None), want)
+    finally:
+        torch.set_num_threads(before)
