@@ -35,10 +35,10 @@ import time
 import psutil
 
 from bench.common import ainterleave, median, print_table, progress, torch_threads, write_json
+from bench.peer_llamacpp import AGGREGATED
 from bench.serve.client import RequestResult, run_alternating, run_load
 from bench.serve.compare import serving
 from bench.serve.stats import percentiles_ms, summarize
-from bench.peer_llamacpp import AGGREGATED
 from bench.serve.trace import make_trace
 
 CONFIG = os.path.join("configs", "smollm2.yaml")

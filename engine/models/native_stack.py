@@ -20,9 +20,9 @@ import os
 
 import torch
 
-from engine.native import decode_stack_class, rms_norm_kernel
 from engine.models.packed import NATIVE_MAX_ROWS, PackedLinear
 from engine.models.quantized import QuantizedLinear, QuantizedWeight
+from engine.native import decode_stack_class, rms_norm_kernel
 
 
 def enabled() -> bool:
