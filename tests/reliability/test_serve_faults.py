@@ -105,6 +105,9 @@ def test_generation_replica_killed_mid_stream(service: Service):
            recovery_s=round(recovery_s, 1), pages_free_after_s=round(free_s, 1))
 
 
+ERROR_MESSAGES: list[str] = []  # what each "error" outcome said, for a failing assertion's message
+
+
 async def run_one(http: httpx.AsyncClient, body: dict, token_0_at: list[float] | None = None,
                   ids: list[str] | None = None) -> tuple[str, float]:
     """("ok" | "error" | "hang" | "bad:<why>", seconds) of one request; a streamed one appends to
@@ -125,6 +128,8 @@ async def run_one(http: httpx.AsyncClient, body: dict, token_0_at: list[float] |
             events = data_events(lines)
             errors = [e for e in map(error_of, events) if e]
             outcome = "error" if errors and errors[0].get("type") == "server_error" else "ok"
+            if outcome == "error":
+                ERROR_MESSAGES.append(str(errors[0].get("message"))[:300])
             if events[-1:] != ["[DONE]"]:
                 outcome = "bad:no [DONE]"
         else:
@@ -229,7 +234,7 @@ def test_context_replica_killed_during_prefill(service: Service):
            max_request_s=round(max_s, 2), in_engine_at_kill=killed.seen["num_running"] + killed.seen["num_waiting"],
            waiting_at_kill=killed.seen["num_waiting"], seen_to_kill_ms=round(1000 * killed.seen_to_kill_s, 1))
     assert not [k for k in kinds if k == "hang" or k.startswith("bad")], kinds
-    assert kinds == ["ok"] * len(kinds), (kinds, paths)
+    assert kinds == ["ok"] * len(kinds), (kinds, paths, ERROR_MESSAGES[-3:])
     assert set(paths) <= {"context", "fell back: unavailable", "fell back: wait bound"}, counts
     num_fell_back = sum(p.startswith("fell back") for p in paths)
     assert num_fell_back >= 1, counts  # the waiting request inside the victim, at least
