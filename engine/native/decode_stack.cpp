@@ -91,8 +91,6 @@ class DecodeStack {
     return hidden;
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
  private:
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const {
     return rms_norm(x.reshape({-1, x.size(-1)}).contiguous(), weight, eps_).view(x.sizes());
@@ -107,6 +105,5 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("run", &DecodeStack::run)
-      .def("num_layers", &DecodeStack::num_layers);
+      .def("run", &DecodeStack::run);
 }
