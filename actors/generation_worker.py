@@ -21,7 +21,8 @@ request was given.
 Fallback. When the handoff fails because the context side is unavailable
 (``ContextUnavailable``: its Claim is refused, as after a lapsed lease, or
 unanswered within ``claim_timeout_s``; its record is gone; a read from it
-fails or times out), the request is not lost: after that cleanup it runs
+fails or times out; a lease extension sent while our cache was full cannot
+reach it), the request is not lost: after that cleanup it runs
 here as a local prefill that keeps the k outputs the context side already
 sampled and sent (``engine.resume``: its first update carries them all, as
 ``add_prefilled``'s does), so the caller's stream is the one a transfer gives.
@@ -30,8 +31,8 @@ once no other handoff uses it. Other failures (a prompt
 that does not match the handle or is too long, no free pages in time, a
 cancel, a rejected read) fail the request as before::
 
-    claim / pull fails ─► cleanup (no read in flight, our pages freed, Release told)
-                       ─► forget the peer (unless it answered) ─► local prefill, the k outputs given
+    reserve / claim / pull fails ─► cleanup (no read in flight, our pages freed, Release told)
+                                 ─► forget the peer (unless it answered) ─► local prefill, the k outputs given
 """
 
 from __future__ import annotations
@@ -222,13 +223,18 @@ class GenerationWorker(KVWorker):
 
     async def _reserve(self, handle: KVHandle, kv_token_ids: list[int]) -> None:
         """Bind pages for the tokens whose KV travels, cached blocks from our cache; while the
-        cache is full, extend the context lease and wait."""
+        cache is full, extend the context lease and wait. An extension that finds the context
+        side gone raises ContextUnavailable (the request is prefilled here)."""
         deadline = time.monotonic() + self.config.reserve_timeout_s
         while not await self.loop.call(self.engine.reserve_prefilled, handle.request_id, kv_token_ids):
             if time.monotonic() > deadline:
                 raise TransferFailed(f"no free KV pages for request {handle.request_id!r} "
                                      f"within {self.config.reserve_timeout_s}s")
-            self.control.tell(handle.context_agent, Extend(handle.request_id, self.config.lease_s))
+            try:
+                self.control.tell(handle.context_agent, Extend(handle.request_id, self.config.lease_s))
+            except (PeerNotFoundError, PeerUnreachable) as e:  # it died while we waited: prefill here instead
+                raise ContextUnavailable(f"lease extension of {handle.request_id!r} on {handle.context_agent}: {e}",
+                                         is_answering=False) from e
             await asyncio.sleep(0.05)
 
     def _plan(self, handle: KVHandle) -> tuple[list[PageRun], int]:

@@ -165,6 +165,41 @@ def test_context_killed_between_claim_and_read_falls_back(ray_session, tiny_mode
     assert not connected and gen_free
 
 
+def test_context_killed_while_the_request_waits_for_generation_pages_falls_back(ray_session, tiny_model):
+    """The generation cache is full ("a"'s received pages, held until aborted): "b" waits for pages,
+    extending its lease on the context side. The context actor dies; "b"'s next extension finds it
+    gone and "b" falls back: prefilled here once "a" is aborted, with the tokens the context side
+    would have given. Before, the failed extension reached the client as an error."""
+    prompts = {"a": list(range(72)), "b": [(5 * i) % 256 for i in range(44)]}  # a: 9 of 14 pages, b: 6
+    expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), [prompts["b"]], SEEDED)["r0"]
+    ctx, gen = started(RemoteContext.remote(worker_config()),
+                       RemoteGeneration.remote(worker_config(num_pages=14, max_model_len=96,
+                                                             claim_timeout_s=CLAIM_TIMEOUT_S)))
+
+    async def main():
+        handles = {rid: (await ctx.prefill.remote(rid, prompts[rid], SEEDED)).kv for rid in prompts}
+        await gen.receive_kv.remote(handles["a"], prompts["a"])  # "a"'s pages stay bound
+        job = asyncio.ensure_future(disagg_request(None, gen, "b", prompts["b"], SEEDED, handle=handles["b"]))
+        in_handoff = lambda self: list(self._handoffs)  # noqa: E731
+        for _ in range(200):
+            if await gen.__ray_call__.remote(in_handoff) == ["b"]:
+                break
+            await asyncio.sleep(0.02)
+        waiting_at_kill = await gen.__ray_call__.remote(in_handoff)
+        await kill_and_wait(ctx)
+        await asyncio.sleep(1.0)  # extensions go on every 50 ms, now to a dead peer
+        still_waiting = not job.done()
+        await gen.abort.remote("a")
+        tokens = await asyncio.wait_for(job, 60)
+        return tokens, waiting_at_kill, still_waiting, await gen.stats.remote(), await all_free(gen)
+
+    tokens, waiting_at_kill, still_waiting, stats, gen_free = asyncio.run(main())
+    assert waiting_at_kill == ["b"] and still_waiting  # the kill hit "b" waiting for pages; it did not fail
+    assert tokens == expected
+    assert (stats["num_transfer_fallbacks"], stats["kv_transfers"]) == (1, 1)
+    assert gen_free
+
+
 def test_lapsed_lease_falls_back_with_the_same_tokens(ray_session, tiny_model):
     prompt = list(range(40))
     expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), [prompt], SEEDED)["r0"]

@@ -206,9 +206,6 @@ async def kill_context_during_prefill(service: Service, num_requests: int) -> Ki
     return KillOutcome(outcomes, had_token_0, [i[0] if i else None for i in ids], victim.name, seen, seen_to_kill_s)
 
 
-@pytest.mark.xfail(strict=False, reason="session 15: in full-suite runs (2 of 2) 1-3 of 12 requests got 'Internal "
-                   "server error' after the kill (paths 'failed'); 6 of 6 runs of this test alone passed. Not "
-                   "diagnosed; marked so the session's work can land, stated first in its note")
 def test_context_replica_killed_during_prefill(service: Service):
     """Issues #13, #28: the only context replica is killed when its engine holds IN_ENGINE_AT_KILL
     requests, one waiting. Every request completes (0 failed), and each one's path is stated, from
