@@ -13,13 +13,17 @@ replica holding only a prefix's stale head is not credited), and ranks by
 
     cost = prefill_load_scale * max(queued_prefill_tokens + P - hit, 0)
          + decode_load_scale * ongoing_requests
+         + eviction_scale * evicted_recent_tokens
          + (FULL_PENALTY if the replica's free pages cannot hold the uncached part)
 
 ``P - hit`` is the prefill work (context side, and a generation replica that
 prefills locally) or the pages to pull (a generation replica receiving the KV:
 ``hit`` then counts the slice blocks it holds, by ordinal, ``ReplicaView.pull_hit``)
-this replica would add; ``queued_prefill_tokens`` the prefill work
-ahead of it there; ``ongoing_requests`` Serve's own queue length (or the
+this replica would add; ``evicted_recent_tokens`` what the uncached part
+would push out of the replica's cache of the blocks this router sent it
+recently (app.pending.RecentBlocks; each lost block is recomputed on every
+later hit it would have served, hence the scale, 8 by default);
+``queued_prefill_tokens`` the prefill work ahead of it there; ``ongoing_requests`` Serve's own queue length (or the
 replica's running + waiting when Serve has none yet; a live 0 from Serve
 zeroes a stale ``queued_prefill_tokens``). Among equal costs (a prompt no
 replica holds, no queues: every new conversation at low load) the replica
@@ -151,13 +155,33 @@ class ReplicaView:
 class CostScales:
     prefill_load_scale: float = 1.0
     decode_load_scale: float = 64.0
+    eviction_scale: float = 8.0
 
     def __post_init__(self) -> None:
-        if self.prefill_load_scale < 0 or self.decode_load_scale < 0:
+        if min(self.prefill_load_scale, self.decode_load_scale, self.eviction_scale) < 0:
             raise ValueError(f"scales must be >= 0, got {self}")
 
 
-def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, scales: CostScales) -> float:
+def evicted_recent_tokens(view: ReplicaView, num_uncached: int, num_recent_blocks: int) -> int:
+    """Tokens of this router's recent placements on the replica that ``num_uncached`` new tokens
+    would evict there: the new full blocks beyond the room its recent blocks leave::
+
+        capacity = num_total_pages // groups        (a block takes a page in every group)
+        evicted  = min(uncached // B, max(0, recent + uncached // B - capacity)) * B
+
+    In a burst of new prefixes the live queue lengths differ by a request or two, and the replica
+    whose first prefill ended first took a fourth prefix where three fit (issue 28: 15 of 32 hits);
+    a prefix that does not fit costs its neighbours' hits on every later question."""
+    B = view.tokens_per_block
+    if not B or not view.windows or not view.num_total_pages:
+        return 0
+    capacity = view.num_total_pages // len(view.windows)
+    num_new = num_uncached // B
+    return min(num_new, max(0, num_recent_blocks + num_new - capacity)) * B
+
+
+def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, scales: CostScales,
+                 num_recent_blocks: int = 0) -> float:
     """The module docstring's cost; lower is better.
 
     ``num_ongoing``: Serve's live count of the requests at the replica (incremented on send,
@@ -167,7 +191,8 @@ def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, 
     uncached = max(hint.num_prompt_tokens - view.hit(hint), 0)
     ongoing = view.num_ongoing if num_ongoing is None else num_ongoing
     queued = 0 if num_ongoing == 0 else view.queued_prefill_tokens
-    cost = scales.prefill_load_scale * (queued + uncached) + scales.decode_load_scale * ongoing
+    cost = (scales.prefill_load_scale * (queued + uncached) + scales.decode_load_scale * ongoing
+            + scales.eviction_scale * evicted_recent_tokens(view, uncached, num_recent_blocks))
     return cost if view.can_hold(uncached) else cost + FULL_PENALTY
 
 
@@ -192,8 +217,9 @@ def rank_replicas(
             unknown.append(replica)
         else:
             view = with_pending(view, pending_of(replica, view))
-            cost = replica_cost(view, hint, queue_len(replica), scales)
-            scored.append((cost, recent_of(replica), -view.num_empty_pages, replica))
+            recent = recent_of(replica)
+            cost = replica_cost(view, hint, queue_len(replica), scales, recent)
+            scored.append((cost, recent, -view.num_empty_pages, replica))
     scored.sort(key=lambda entry: entry[:3])
     return [[entry[-1]] for entry in scored] + ([unknown] if unknown else [])
 
@@ -211,11 +237,12 @@ def hint_of(pending_request: PendingRequest | None) -> RoutingHint | None:
 
 
 class KVAwareRequestRouter(FIFOMixin, RequestRouter):
-    """``request_router_kwargs``: ``prefill_load_scale``, ``decode_load_scale`` (CostScales)."""
+    """``request_router_kwargs``: ``prefill_load_scale``, ``decode_load_scale``, ``eviction_scale``
+    (CostScales)."""
 
     def initialize_state(self, prefill_load_scale: float = 1.0, decode_load_scale: float = 64.0,
-                         **kwargs: Any) -> None:
-        self.scales = CostScales(prefill_load_scale, decode_load_scale)
+                         eviction_scale: float = 8.0, **kwargs: Any) -> None:
+        self.scales = CostScales(prefill_load_scale, decode_load_scale, eviction_scale)
         self.placements: OrderedDict[str, Any] = OrderedDict()  # request id -> replica id
         self.pending = PendingDecisions()
         self.recent = RecentBlocks()

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.pending import PENDING_MAX_AGE_S, PendingDecisions, RecentBlocks, capacity_in_blocks, with_pending
-from app.routing import ReplicaView, RoutingHint, rank_replicas
+from app.routing import CostScales, ReplicaView, RoutingHint, evicted_recent_tokens, rank_replicas
 from kvcache import block_hashes, stale_end
 from tests.app.test_routing import FINGERPRINT, SCALES, WINDOWS, B, prompt_hint, replica
 
@@ -201,3 +201,46 @@ def test_recent_blocks_keep_the_newest_up_to_capacity_and_follow_a_block_that_mo
 def test_capacity_is_each_replicas_pages_over_its_groups():
     stats = [replica("r0").routing_stats, replica("r1").routing_stats, {}]
     assert capacity_in_blocks(stats) == 2 * (1000 // len(WINDOWS))
+
+
+def burst_placements(scales: CostScales, num_prefixes: int, num_blocks: int, idle: str) -> list[str]:
+    """A burst of new prefixes on 3 replicas whose caches are full of old prefixes (0 empty pages,
+    every page free to evict), each report caught up with the burst's earlier prefixes (their pages
+    evictable like any other: free pages alone never push a prefix away). Serve's live queue lengths:
+    ``idle`` 0 (its prefills end first), the others 1."""
+    replicas = [replica(f"r{i}", empty=0) for i in range(3)]
+    recent = RecentBlocks()
+    capacity = capacity_in_blocks(r.routing_stats for r in replicas)
+    placed = []
+    for i in range(num_prefixes):
+        hint = hint_of(f"new-{i}", tokens(500 + i, num_blocks * B))
+        ranks = rank_replicas(replicas, hint, lambda r: 0 if r.name == idle else 1, scales,
+                              recent_of=lambda r: recent.num_blocks(r.name))
+        placed.append(ranks[0][0].name)
+        recent.add(placed[-1], hint.block_hashes, capacity)
+    return placed
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_blocks=st.integers(130, 240), idle=st.sampled_from(["r0", "r1", "r2"]))
+def test_in_a_burst_the_replica_that_empties_first_takes_no_prefix_it_cannot_hold(num_blocks, idle):
+    """Issue 28's 3 x 8 burst: 8 new prefixes of ``num_blocks`` blocks on 3 replicas of 500 blocks
+    each. A balanced placement fits when 3 x ``num_blocks`` <= 500 (3, 3, 2); the replica whose
+    prefills end first must not take one more than it holds; by load alone it took all 8."""
+    fits = 500 // num_blocks  # prefixes one replica holds: 2 or 3 here
+    placed = burst_placements(SCALES, 8, num_blocks, idle)
+    per_replica = sorted(placed.count(f"r{i}") for i in range(3))
+    if 3 * fits >= 8:
+        assert per_replica[-1] <= fits, placed
+    else:  # more than the replicas hold: the overflow spreads, none takes all of it
+        assert per_replica == [2, 3, 3], placed
+    by_load_alone = burst_placements(dataclasses.replace(SCALES, eviction_scale=0.0), 8, num_blocks, idle)
+    assert by_load_alone == [idle] * 8, by_load_alone
+
+
+def test_evicted_recent_tokens_counts_only_the_new_blocks_beyond_the_room_left():
+    view = ReplicaView.from_stats(replica("r0").routing_stats)  # 1000 pages, 2 groups: 500 blocks
+    assert evicted_recent_tokens(view, 100 * B, 400) == 0          # fits exactly
+    assert evicted_recent_tokens(view, 100 * B + B - 1, 401) == B  # 1 full block over; a partial one names nothing
+    assert evicted_recent_tokens(view, 10 * B, 600) == 10 * B      # already over: only its own 10 blocks count
+    assert evicted_recent_tokens(dataclasses.replace(view, tokens_per_block=0), 10 * B, 600) == 0
