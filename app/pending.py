@@ -17,17 +17,7 @@ a report of that replica shows the request::
 Each ingress replica runs its own router and counts its own decisions; the
 others' reach it through the reports.
 
-Full caches (a server's steady state: every page holds some old prefix, so
-no replica has empty pages to rank by) would leave new prefixes to chance:
-one replica given more than its share evicts the newest of them before their
-next question. So the router also remembers the blocks it sent to each
-replica, most recent last, as many as all replicas together hold
-(``RecentBlocks``): what LRU caches keep of its own placements. Among replicas
-equal in cost, a new prefix goes to the one holding the fewest of them, then
-to the one with the most empty pages (which also show other routers' blocks)::
-
-    sent: p0 -> A, p1 -> B, p2 -> ?   recent blocks A 137, B 137: either; p2 -> A
-          p3 -> ?                     A 274, B 137: B      (the old prefixes on both are evicted alike)
+Full caches, where no replica has empty pages to rank by, are app.recent_blocks'.
 
 The blocks a request takes on a replica, per group (``P`` prompt tokens, ``B``
 tokens per block, only full blocks have names)::
@@ -48,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +95,11 @@ class PendingDecisions:
         self.by_replica: dict[Any, OrderedDict[str, tuple[float, RoutingHint]]] = {}
 
     def add(self, replica_id: Any, hint: RoutingHint) -> None:
+        """Count ``hint`` at ``replica_id``, and at no other replica (a provisional choice that Serve
+        then sent elsewhere moves)."""
+        for other, entries in self.by_replica.items():
+            if other != replica_id:
+                entries.pop(hint.request_id, None)
         entries = self.by_replica.setdefault(replica_id, OrderedDict())
         entries[hint.request_id] = (self.clock(), hint)
         entries.move_to_end(hint.request_id)
@@ -128,39 +123,3 @@ class PendingDecisions:
 
     def hints(self, replica_id: Any) -> list[RoutingHint]:
         return [hint for _, hint in self.by_replica.get(replica_id, {}).values()]
-
-
-class RecentBlocks:
-    """The block names this router sent to each replica, the most recent ``capacity`` of them over
-    all replicas (module docstring): ``num_blocks(replica)`` is its share of them."""
-
-    def __init__(self) -> None:
-        self.owner: OrderedDict[bytes, Any] = OrderedDict()  # name -> the replica it was last sent to
-        self.num_by_replica: Counter = Counter()
-
-    def add(self, replica_id: Any, names: Iterable[bytes], capacity: int) -> None:
-        for name in names:
-            previous = self.owner.pop(name, None)
-            if previous is not None:
-                self.num_by_replica[previous] -= 1
-            self.owner[name] = replica_id
-            self.num_by_replica[replica_id] += 1
-        while len(self.owner) > max(capacity, 0):
-            _, replica = self.owner.popitem(last=False)
-            self.num_by_replica[replica] -= 1
-
-    def num_blocks(self, replica_id: Any) -> int:
-        return self.num_by_replica[replica_id]
-
-    def retain(self, replica_ids: Iterable[Any]) -> None:
-        """Forget replicas that are no longer candidates (a new replica starts with none)."""
-        keep = set(replica_ids)
-        for name in [n for n, r in self.owner.items() if r not in keep]:
-            self.num_by_replica[self.owner.pop(name)] -= 1
-        self.num_by_replica = Counter({r: n for r, n in self.num_by_replica.items() if r in keep})
-
-
-def capacity_in_blocks(stats: Iterable[dict]) -> int:
-    """Blocks all replicas together can hold: each one's pages over its groups (a block takes a
-    page in every group)."""
-    return sum(int(s.get("num_total_pages") or 0) // max(1, len(s.get("windows") or {})) for s in stats)

@@ -13,26 +13,28 @@ replica holding only a prefix's stale head is not credited), and ranks by
 
     cost = prefill_load_scale * max(queued_prefill_tokens + P - hit, 0)
          + decode_load_scale * ongoing_requests
-         + eviction_scale * evicted_recent_tokens
+         + eviction_scale * hot_victim_tokens
          + (FULL_PENALTY if the replica's free pages cannot hold the uncached part)
 
 ``P - hit`` is the prefill work (context side, and a generation replica that
 prefills locally) or the pages to pull (a generation replica receiving the KV:
-``hit`` then counts the slice blocks it holds, by ordinal, ``ReplicaView.pull_hit``)
-this replica would add; ``evicted_recent_tokens`` what the uncached part
-would push out of the replica's cache of the blocks this router sent it
-recently (app.pending.RecentBlocks; each lost block is recomputed on every
-later hit it would have served, hence the scale, 8 by default);
-``queued_prefill_tokens`` the prefill work ahead of it there; ``ongoing_requests`` Serve's own queue length (or the
+``hit`` then counts the slice blocks it holds, by ordinal,
+``ReplicaView.pull_hit``) this replica would add; ``hot_victim_tokens`` the
+blocks the uncached part would push out of the replica's cache that are newer
+than what another candidate would push out (app.recent_blocks: the replicas'
+caches as the router's own placements filled them, least recently used out
+first; a lost block is recomputed on every later hit it would have served,
+hence the scale, 8 by default); ``queued_prefill_tokens`` the prefill work
+ahead of it there; ``ongoing_requests`` Serve's own queue length (or the
 replica's running + waiting when Serve has none yet; a live 0 from Serve
 zeroes a stale ``queued_prefill_tokens``). Among equal costs (a prompt no
 replica holds, no queues: every new conversation at low load) the replica
 holding the fewest of the blocks this router sent out recently ranks first
-(app.pending.RecentBlocks), then the one with the most empty pages (free and
-holding no cached block), so new prefixes spread by cache footprint, not by chance: the caches of
-N replicas then hold N times the prefixes of one, where a random spread
-overfills one replica's cache while another's stands empty. Replicas that
-have not reported rank last.
+(app.recent_blocks), then the one with the most empty pages (free and holding
+no cached block), so new prefixes spread by cache footprint, not by chance:
+the caches of N replicas then hold N times the prefixes of one, where a random
+spread overfills one replica's cache while another's stands empty. Replicas
+that have not reported rank last.
 
 The router counts its own decisions (app.pending): a request's blocks join its
 view of the replica it was sent to at once, and the pages they take leave that
@@ -57,9 +59,10 @@ from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from app.pending import PendingDecisions, RecentBlocks, capacity_in_blocks, with_pending
+from app.pending import PendingDecisions, with_pending
+from app.recent_blocks import RecentBlocks, capacity_in_blocks, replica_capacity
 from kvcache import BlockSummary, hit_for_windows, stale_end
 
 ROUTER_PATH = "app.routing:KVAwareRequestRouter"
@@ -162,26 +165,8 @@ class CostScales:
             raise ValueError(f"scales must be >= 0, got {self}")
 
 
-def evicted_recent_tokens(view: ReplicaView, num_uncached: int, num_recent_blocks: int) -> int:
-    """Tokens of this router's recent placements on the replica that ``num_uncached`` new tokens
-    would evict there: the new full blocks beyond the room its recent blocks leave::
-
-        capacity = num_total_pages // groups        (a block takes a page in every group)
-        evicted  = min(uncached // B, max(0, recent + uncached // B - capacity)) * B
-
-    In a burst of new prefixes the live queue lengths differ by a request or two, and the replica
-    whose first prefill ended first took a fourth prefix where three fit (issue 28: 15 of 32 hits);
-    a prefix that does not fit costs its neighbours' hits on every later question."""
-    B = view.tokens_per_block
-    if not B or not view.windows or not view.num_total_pages:
-        return 0
-    capacity = view.num_total_pages // len(view.windows)
-    num_new = num_uncached // B
-    return min(num_new, max(0, num_recent_blocks + num_new - capacity)) * B
-
-
 def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, scales: CostScales,
-                 num_recent_blocks: int = 0) -> float:
+                 num_hot_victims: int = 0) -> float:
     """The module docstring's cost; lower is better.
 
     ``num_ongoing``: Serve's live count of the requests at the replica (incremented on send,
@@ -192,34 +177,46 @@ def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, 
     ongoing = view.num_ongoing if num_ongoing is None else num_ongoing
     queued = 0 if num_ongoing == 0 else view.queued_prefill_tokens
     cost = (scales.prefill_load_scale * (queued + uncached) + scales.decode_load_scale * ongoing
-            + scales.eviction_scale * evicted_recent_tokens(view, uncached, num_recent_blocks))
+            + scales.eviction_scale * num_hot_victims * view.tokens_per_block)
     return cost if view.can_hold(uncached) else cost + FULL_PENALTY
+
+
+def num_new_blocks(view: ReplicaView, hint: RoutingHint) -> int:
+    """Full blocks of the prompt the replica would bind anew (not served by its cache)."""
+    if not view.tokens_per_block:
+        return 0
+    return max(hint.num_prompt_tokens - view.hit(hint), 0) // view.tokens_per_block
 
 
 def rank_replicas(
     replicas: Sequence[Any], hint: RoutingHint | None, queue_len: Callable[[Any], int | None], scales: CostScales,
     pending_of: Callable[[Any, ReplicaView], Sequence[RoutingHint]] = lambda replica, view: (),
     recent_of: Callable[[Any], int] = lambda replica: 0,
+    hot_victims_of: Callable[[list[tuple[Any, tuple[int, int]]]], list[int]] = lambda demands: [0] * len(demands),
 ) -> list[list[Any]]:
     """One rank per reported replica, cheapest first (equal costs: the fewest blocks this router
     sent there recently first, then the most empty pages), then the unreported ones as one rank.
 
     ``replicas``: anything with ``routing_stats``; ``hint`` None (no prompt) scores load only.
     ``pending_of(replica, view)``: the requests sent there that ``view`` (its report) does not show yet.
-    ``recent_of(replica)``: app.pending.RecentBlocks' share of that replica.
+    ``recent_of(replica)``: app.recent_blocks.RecentBlocks' share of that replica.
+    ``hot_victims_of([(replica, (capacity in blocks, new blocks)), ...])``: RecentBlocks.hot_victims, in order.
     """
     hint = hint or RoutingHint("")
     shuffled = random.sample(list(replicas), len(replicas))  # fair among equal costs and footprints
-    scored, unknown = [], []
+    viewed, unknown = [], []
     for replica in shuffled:
         view = ReplicaView.from_stats(replica.routing_stats or {})
         if view is None:
             unknown.append(replica)
         else:
-            view = with_pending(view, pending_of(replica, view))
-            recent = recent_of(replica)
-            cost = replica_cost(view, hint, queue_len(replica), scales, recent)
-            scored.append((cost, recent, -view.num_empty_pages, replica))
+            viewed.append((replica, with_pending(view, pending_of(replica, view))))
+    demands = [(r, (replica_capacity(r.routing_stats), num_new_blocks(v, hint))) for r, v in viewed]
+    hot_victims = hot_victims_of(demands) if hint.block_hashes and viewed else [0] * len(viewed)
+    scored = []
+    for (replica, view), num_hot in zip(viewed, hot_victims, strict=True):
+        cost = replica_cost(view, hint, queue_len(replica), scales, num_hot)
+        scored.append((cost, recent_of(replica), -view.num_empty_pages, replica))
     scored.sort(key=lambda entry: entry[:3])
     return [[entry[-1]] for entry in scored] + ([unknown] if unknown else [])
 
@@ -236,9 +233,16 @@ def hint_of(pending_request: PendingRequest | None) -> RoutingHint | None:
     return RoutingHint(**{f.name: getattr(hint, f.name) for f in dataclasses.fields(RoutingHint)})
 
 
-class KVAwareRequestRouter(FIFOMixin, RequestRouter):
+class KVAwareRequestRouter(RequestRouter):
     """``request_router_kwargs``: ``prefill_load_scale``, ``decode_load_scale``, ``eviction_scale``
-    (CostScales)."""
+    (CostScales).
+
+    A decision is counted when it is made, not when the replica accepts the request: Serve's
+    router reports acceptance (``on_request_routed``) a round trip later, and a burst's requests
+    are all chosen before the first comes back; counted on acceptance, they were all placed on the
+    same view (the queue lengths alone spread them). The top choice is counted at once, and moved
+    if Serve sent the request elsewhere (its first choice was full). No ``FIFOMixin``: Serve then
+    gives each choice to the request it was made for, not to the oldest request waiting."""
 
     def initialize_state(self, prefill_load_scale: float = 1.0, decode_load_scale: float = 64.0,
                          eviction_scale: float = 8.0, **kwargs: Any) -> None:
@@ -261,8 +265,15 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
         self.pending.retain(current)
         self.recent.retain(current)
         self.capacity_blocks = capacity_in_blocks(r.routing_stats or {} for r in candidate_replicas)
-        return rank_replicas(candidate_replicas, hint, lambda r: cache.get(r.replica_id), self.scales,
-                             self._pending_of, lambda r: self.recent.num_blocks(r.replica_id))
+        ranks = rank_replicas(candidate_replicas, hint, lambda r: cache.get(r.replica_id), self.scales,
+                              self._pending_of, lambda r: self.recent.num_blocks(r.replica_id), self._hot_victims_of)
+        if hint is not None and ranks and ranks[0]:
+            self._count(ranks[0][0].replica_id, hint)  # provisional: on_request_routed moves it if need be
+        return ranks
+
+    def _hot_victims_of(self, demands: list[tuple[RunningReplica, tuple[int, int]]]) -> list[int]:
+        by_id = self.recent.hot_victims({r.replica_id: demand for r, demand in demands})
+        return [by_id[r.replica_id] for r, _ in demands]
 
     def _pending_of(self, replica: RunningReplica, view: ReplicaView) -> list[RoutingHint]:
         self.pending.reconcile(replica.replica_id, view.accounted_ids)
@@ -274,8 +285,12 @@ class KVAwareRequestRouter(FIFOMixin, RequestRouter):
             return
         self.placements[hint.request_id] = replica_id
         self.placements.move_to_end(hint.request_id)
+        self._count(replica_id, hint)
+        while len(self.placements) > NUM_REMEMBERED_REQUESTS:
+            self.placements.popitem(last=False)
+
+    def _count(self, replica_id: Any, hint: RoutingHint) -> None:
+        """The request's blocks join the router's view of ``replica_id`` (app.pending, app.recent_blocks)."""
         if hint.block_hashes:
             self.pending.add(replica_id, hint)
             self.recent.add(replica_id, hint.block_hashes, self.capacity_blocks)
-        while len(self.placements) > NUM_REMEMBERED_REQUESTS:
-            self.placements.popitem(last=False)

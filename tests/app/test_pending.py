@@ -3,13 +3,15 @@ period spreads by what each replica will hold; a report that shows a request sup
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.pending import PENDING_MAX_AGE_S, PendingDecisions, RecentBlocks, capacity_in_blocks, with_pending
-from app.routing import CostScales, ReplicaView, RoutingHint, evicted_recent_tokens, rank_replicas
+from app.pending import PENDING_MAX_AGE_S, PendingDecisions, with_pending
+from app.routing import KVAwareRequestRouter, ReplicaView, RoutingHint, rank_replicas
 from kvcache import block_hashes, stale_end
 from tests.app.test_routing import FINGERPRINT, SCALES, WINDOWS, B, prompt_hint, replica
 
@@ -150,97 +152,32 @@ def test_hints_of_another_model_are_not_counted():
     assert with_pending(view, [other]) == view
 
 
-def send_counting_recent(replicas, hint: RoutingHint, decisions: PendingDecisions, recent: RecentBlocks) -> str:
-    """``send``, plus the router's recent blocks (KVAwareRequestRouter.on_request_routed)."""
-    def pending_of(r, view: ReplicaView):
-        decisions.reconcile(r.name, view.accounted_ids)
-        return decisions.hints(r.name)
-
-    capacity = capacity_in_blocks(r.routing_stats for r in replicas)
-    first = rank_replicas(replicas, hint, lambda r: None, SCALES, pending_of, lambda r: recent.num_blocks(r.name))[0][0]
-    decisions.add(first.name, hint)
-    recent.add(first.name, hint.block_hashes, capacity)
-    return first.name
+def router_with_queue_lens(queue_lens: dict[str, int]) -> KVAwareRequestRouter:
+    """The Serve router class itself, without Serve around it: its state and its decisions."""
+    router = object.__new__(KVAwareRequestRouter)
+    router._replica_queue_len_cache = SimpleNamespace(get=queue_lens.get)
+    router.initialize_state()
+    return router
 
 
-@settings(max_examples=30, deadline=None)
-@given(num_replicas=st.integers(2, 4), num_prefixes=st.integers(2, 12), num_blocks=st.integers(2, 40),
-       num_questions=st.integers(1, 3))
-def test_with_every_cache_full_new_prefixes_spread_evenly_and_repeats_follow(num_replicas, num_prefixes,
-                                                                            num_blocks, num_questions):
-    """A server's steady state: every replica's pages hold old prefixes (0 empty), reports stay as they
-    were. New prefixes spread by the blocks the router sent to each replica: no replica gets two more
-    than another, whatever the (random) order among equals; each prefix's questions follow it."""
-    names = [f"r{i}" for i in range(num_replicas)]
-    replicas = [replica(n, empty=0) for n in names]
-    decisions, recent = PendingDecisions(), RecentBlocks()
-    prefixes = [tokens(seed, num_blocks * B) for seed in range(1, num_prefixes + 1)]
-    placed = [send_counting_recent(replicas, hint_of(f"new-{i}", p + tokens(300 + i, 5)), decisions, recent)
-              for i, p in enumerate(prefixes)]
-    per_replica = [placed.count(n) for n in names]
-    assert max(per_replica) - min(per_replica) <= 1, placed
-    for q in range(num_questions):
-        repeats = [send_counting_recent(replicas, hint_of(f"q{q}-{i}", p + tokens(400 + 10 * i + q, 7)), decisions,
-                                        recent) for i, p in enumerate(prefixes)]
-        assert repeats == placed
+def request(hint: RoutingHint, method: str = "prefill") -> SimpleNamespace:
+    return SimpleNamespace(kwargs={"hint": hint}, metadata=SimpleNamespace(call_method=method))
 
 
-def test_recent_blocks_keep_the_newest_up_to_capacity_and_follow_a_block_that_moved():
-    recent = RecentBlocks()
-    recent.add("a", [b"0", b"1", b"2"], capacity=4)
-    recent.add("b", [b"3", b"4"], capacity=4)  # b"0" is the oldest: dropped
-    assert list(recent.owner.items()) == [(b"1", "a"), (b"2", "a"), (b"3", "b"), (b"4", "b")]
-    assert (recent.num_blocks("a"), recent.num_blocks("b")) == (2, 2)
-    recent.add("b", [b"1"], capacity=4)  # sent to b now: b's, and the most recent
-    assert list(recent.owner.items()) == [(b"2", "a"), (b"3", "b"), (b"4", "b"), (b"1", "b")]
-    assert (recent.num_blocks("a"), recent.num_blocks("b")) == (1, 3)
-    recent.retain(["a"])  # b is gone (dead, scaled down): its blocks leave with it
-    assert list(recent.owner.items()) == [(b"2", "a")] and recent.num_blocks("b") == 0
-
-
-def test_capacity_is_each_replicas_pages_over_its_groups():
-    stats = [replica("r0").routing_stats, replica("r1").routing_stats, {}]
-    assert capacity_in_blocks(stats) == 2 * (1000 // len(WINDOWS))
-
-
-def burst_placements(scales: CostScales, num_prefixes: int, num_blocks: int, idle: str) -> list[str]:
-    """A burst of new prefixes on 3 replicas whose caches are full of old prefixes (0 empty pages,
-    every page free to evict), each report caught up with the burst's earlier prefixes (their pages
-    evictable like any other: free pages alone never push a prefix away). Serve's live queue lengths:
-    ``idle`` 0 (its prefills end first), the others 1."""
-    replicas = [replica(f"r{i}", empty=0) for i in range(3)]
-    recent = RecentBlocks()
-    capacity = capacity_in_blocks(r.routing_stats for r in replicas)
-    placed = []
-    for i in range(num_prefixes):
-        hint = hint_of(f"new-{i}", tokens(500 + i, num_blocks * B))
-        ranks = rank_replicas(replicas, hint, lambda r: 0 if r.name == idle else 1, scales,
-                              recent_of=lambda r: recent.num_blocks(r.name))
-        placed.append(ranks[0][0].name)
-        recent.add(placed[-1], hint.block_hashes, capacity)
-    return placed
-
-
-@settings(max_examples=25, deadline=None)
-@given(num_blocks=st.integers(130, 240), idle=st.sampled_from(["r0", "r1", "r2"]))
-def test_in_a_burst_the_replica_that_empties_first_takes_no_prefix_it_cannot_hold(num_blocks, idle):
-    """Issue 28's 3 x 8 burst: 8 new prefixes of ``num_blocks`` blocks on 3 replicas of 500 blocks
-    each. A balanced placement fits when 3 x ``num_blocks`` <= 500 (3, 3, 2); the replica whose
-    prefills end first must not take one more than it holds; by load alone it took all 8."""
-    fits = 500 // num_blocks  # prefixes one replica holds: 2 or 3 here
-    placed = burst_placements(SCALES, 8, num_blocks, idle)
-    per_replica = sorted(placed.count(f"r{i}") for i in range(3))
-    if 3 * fits >= 8:
-        assert per_replica[-1] <= fits, placed
-    else:  # more than the replicas hold: the overflow spreads, none takes all of it
-        assert per_replica == [2, 3, 3], placed
-    by_load_alone = burst_placements(dataclasses.replace(SCALES, eviction_scale=0.0), 8, num_blocks, idle)
-    assert by_load_alone == [idle] * 8, by_load_alone
-
-
-def test_evicted_recent_tokens_counts_only_the_new_blocks_beyond_the_room_left():
-    view = ReplicaView.from_stats(replica("r0").routing_stats)  # 1000 pages, 2 groups: 500 blocks
-    assert evicted_recent_tokens(view, 100 * B, 400) == 0          # fits exactly
-    assert evicted_recent_tokens(view, 100 * B + B - 1, 401) == B  # 1 full block over; a partial one names nothing
-    assert evicted_recent_tokens(view, 10 * B, 600) == 10 * B      # already over: only its own 10 blocks count
-    assert evicted_recent_tokens(dataclasses.replace(view, tokens_per_block=0), 10 * B, 600) == 0
+def test_the_router_counts_a_choice_when_it_makes_it_not_when_serve_reports_it_routed():
+    """Serve chooses for every request of a burst before the first acceptance comes back
+    (``on_request_routed``, a round trip later). Counted at the choice, 6 new prefixes on 3 replicas
+    with equal queues spread 2, 2, 2; an acceptance elsewhere (the first choice was full) moves the
+    request's blocks to where it went."""
+    replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=replica(f"r{i}").routing_stats) for i in range(3)]
+    router = router_with_queue_lens({f"r{i}": 1 for i in range(3)})
+    hints = [hint_of(f"new-{i}", tokens(40 + i, 20 * B)) for i in range(6)]
+    chosen = [asyncio.run(router.choose_replicas(replicas, request(h)))[0][0].replica_id for h in hints]
+    assert sorted(chosen.count(f"r{i}") for i in range(3)) == [2, 2, 2], chosen
+    moved_to = next(r for r in ("r0", "r1", "r2") if r != chosen[0])
+    router.on_request_routed(request(hints[0]), moved_to, None)
+    assert "new-0" in [h.request_id for h in router.pending.hints(moved_to)]
+    assert "new-0" not in [h.request_id for h in router.pending.hints(chosen[0])]
+    assert router.recent.owner[hints[0].block_hashes[0]] == moved_to
+    repeat = hint_of("q-0", tokens(40, 20 * B) + tokens(99, 5))  # new-0's question follows it where it went
+    assert asyncio.run(router.choose_replicas(replicas, request(repeat)))[0][0].replica_id == moved_to
