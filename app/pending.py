@@ -8,7 +8,8 @@ other still had room (issue 28). So the router adds a request's blocks to its
 view of a replica the moment it sends the request there, and drops them once
 a report of that replica shows the request::
 
-    send r to X            pending[X][r] = r's hint                   (on_request_routed)
+    choose X for r         pending[X][r] = r's hint                   (choose_replicas; on_request_routed moves it
+                                                                      if Serve sent r elsewhere)
     X reports r            pending[X].pop(r)     X lists r in ``accounted_request_ids``: its report was
                                                  built after r's blocks were cached (or r ended), so the
                                                  report's summary now says where they are, evicted or not
