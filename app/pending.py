@@ -1,6 +1,6 @@
 """The router's own decisions, counted until the replica's report shows them.
 
-A replica reports what it caches once per report period (app.serve_app's
+A replica reports what it caches once per report period (app.serve_workers'
 ``REPORT_PERIOD_S``, 1 s), and Serve hands the report to the router up to a
 period later. A router that ranked by reports alone placed every new prefix
 of a burst on the same stale view: one replica filled and evicted while the

@@ -44,7 +44,7 @@ COUNTERS = {"prefix_cache_queries": "windserve_prefix_cache_queries_total",
             "kv_transfer_bytes": "windserve_kv_transfer_bytes_total"}
 TTFT_TARGET = 2.0
 BYTES_TARGET = 3.0
-SETTLE_POLL_S = 1.2  # just over the workers' stats report period (app.serve_app.REPORT_PERIOD_S)
+SETTLE_POLL_S = 1.2  # just over the workers' stats report period (app.serve_workers.REPORT_PERIOD_S)
 
 
 def worker_counters(url: str) -> dict[str, dict[str, float]]:

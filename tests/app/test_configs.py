@@ -18,15 +18,8 @@ from ray.serve.schema import ServeDeploySchema
 from actors.config import WorkerConfig
 from app.config import API_KEY_ENV, AppConfig
 from app.routing import ROUTER_PATH, CostScales
-from app.serve_app import (
-    INGRESS_MAX_QUEUED_REQUESTS,
-    AggregatedDeployment,
-    ContextDeployment,
-    GenerationDeployment,
-    Ingress,
-    WorkerStats,
-    build_app,
-)
+from app.serve_app import INGRESS_MAX_QUEUED_REQUESTS, Ingress, build_app
+from app.serve_workers import AggregatedDeployment, ContextDeployment, GenerationDeployment, WorkerStats
 from engine.config import EngineConfig
 from engine.model_registry import resolve_model_path
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from app.serve_app import (
+from app.serve_workers import (
     HEALTH_CHECK_PERIOD_S,
     HEALTH_CHECK_TIMEOUT_S,
     AggregatedDeployment,

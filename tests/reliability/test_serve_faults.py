@@ -24,7 +24,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from app.serve_app import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S
+from app.serve_workers import HEALTH_CHECK_PERIOD_S, HEALTH_CHECK_TIMEOUT_S
 from tests.reliability.conftest import (
     APP_NAME,
     LEASE_S,
@@ -47,7 +47,7 @@ MAX_TIME_TO_ERROR_S = 30.0
 RECOVERY_S = 90.0  # how long recover() waits at most
 # Kill -> a request served by the new replica, on this 2-core machine. With Serve's default 10 s
 # health-check period it was 9.6-19.3 s (the kill is noticed at the next check: 0-11 s). With
-# app.serve_app's 1 s period: detect <= 1.1 s, Serve starts the actor (process, imports: ~3.5 s),
+# app.serve_workers' 1 s period: detect <= 1.1 s, Serve starts the actor (process, imports: ~3.5 s),
 # our __init__ (~2 s, transformers' import in the model load), the router learns of it (~0.3 s).
 REPLACED_WITHIN_S = 15.0
 NOTICED_WITHIN_S = 1.1 * HEALTH_CHECK_PERIOD_S + 1.0  # Serve's period jitter, its control loop, a loaded machine
