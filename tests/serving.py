@@ -1,15 +1,28 @@
-"""A real Ray + Serve for a test module: a new local Ray, Serve's HTTP proxy on a free 127.0.0.1 port."""
+"""A real Ray + Serve for a test module: a new local Ray, Serve's HTTP proxy on a free 127.0.0.1 port.
+
+On a loaded machine Serve's proxy may take longer to start than its controller waits: the controller
+checks its readiness with a 5 s timeout, 3 times, then kills it, and ``serve.start`` raises
+ActorDiedError (seen with two busy processes beside a test run). So the check's timeout is raised
+(``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``, read by the controller, which inherits this process's
+environment through the Ray started here), and a start that still fails is retried from scratch, at
+most START_ATTEMPTS times.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Iterator
 
 import ray
 from ray import serve
+from ray.exceptions import ActorDiedError
 
-from bench.common import start_ray
+from bench.common import progress, start_ray
+
+START_ATTEMPTS = 3
+PROXY_READY_CHECK_TIMEOUT_S = 30.0
 
 
 def free_port() -> int:
@@ -21,12 +34,27 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serving(apps: dict[str, serve.Application]) -> Iterator[str]:
     """Serve each application under ``/<name>``; yields ``http://127.0.0.1:PORT``; shuts all down after."""
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_TIMEOUT_S))
     start_ray(address="local", num_cpus=2)  # a new instance, never a cluster someone else started
-    port = free_port()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve()
         serve.run_many([serve.RunTarget(app, name=name, route_prefix=f"/{name}") for name, app in apps.items()])
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def start_serve() -> int:
+    """Serve's controller and proxy on a free port (the module docstring's retry); the port."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except ActorDiedError as exc:
+            serve.shutdown()
+            if attempt == START_ATTEMPTS:
+                raise
+            progress(f"Serve did not start (attempt {attempt} of {START_ATTEMPTS}: {str(exc)[:80]}); retrying")
+    raise AssertionError("unreachable")
