@@ -83,7 +83,7 @@ class RecentBlocks:
             num_evicted = min(len(blocks), max(0, len(blocks) + num_new - capacity))
             victims[replica] = blocks[len(blocks) - num_evicted:]
         evicting = [ages for ages in victims.values() if ages]
-        if len(evicting) < len(victims):  # some candidate evicts nothing: every victim is needless
+        if len(evicting) < len(victims) or not evicting:  # some candidate evicts nothing: every victim is needless
             return {replica: len(ages) for replica, ages in victims.items()}
         oldest_newest = max(ages[0] for ages in evicting)  # the newest victim that some candidate must lose
         return {replica: sum(age < oldest_newest for age in ages) for replica, ages in victims.items()}

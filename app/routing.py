@@ -165,27 +165,19 @@ class CostScales:
             raise ValueError(f"scales must be >= 0, got {self}")
 
 
-def replica_cost(view: ReplicaView, hint: RoutingHint, num_ongoing: int | None, scales: CostScales,
+def replica_cost(view: ReplicaView, uncached: int, num_ongoing: int | None, scales: CostScales,
                  num_hot_victims: int = 0) -> float:
-    """The module docstring's cost; lower is better.
+    """The module docstring's cost; lower is better. ``uncached``: ``P - hit`` there.
 
     ``num_ongoing``: Serve's live count of the requests at the replica (incremented on send,
     decremented on completion), None when it has none. Live 0 means nothing is queued there,
     whatever the report (a period old) says: after a burst, a stale ``queued_prefill_tokens``
     sent the next questions of the burst's prefixes away from the replicas that held them."""
-    uncached = max(hint.num_prompt_tokens - view.hit(hint), 0)
     ongoing = view.num_ongoing if num_ongoing is None else num_ongoing
     queued = 0 if num_ongoing == 0 else view.queued_prefill_tokens
     cost = (scales.prefill_load_scale * (queued + uncached) + scales.decode_load_scale * ongoing
             + scales.eviction_scale * num_hot_victims * view.tokens_per_block)
     return cost if view.can_hold(uncached) else cost + FULL_PENALTY
-
-
-def num_new_blocks(view: ReplicaView, hint: RoutingHint) -> int:
-    """Full blocks of the prompt the replica would bind anew (not served by its cache)."""
-    if not view.tokens_per_block:
-        return 0
-    return max(hint.num_prompt_tokens - view.hit(hint), 0) // view.tokens_per_block
 
 
 def rank_replicas(
@@ -211,11 +203,13 @@ def rank_replicas(
             unknown.append(replica)
         else:
             viewed.append((replica, with_pending(view, pending_of(replica, view))))
-    demands = [(r, (replica_capacity(r.routing_stats), num_new_blocks(v, hint))) for r, v in viewed]
-    hot_victims = hot_victims_of(demands) if hint.block_hashes and viewed else [0] * len(viewed)
+    uncached = [max(hint.num_prompt_tokens - view.hit(hint), 0) for _, view in viewed]  # its prefill or pull
+    demands = [(r, (replica_capacity(r.routing_stats), n // v.tokens_per_block if v.tokens_per_block else 0))
+               for (r, v), n in zip(viewed, uncached)]  # capacity and new full blocks, in blocks
+    hot_victims = hot_victims_of(demands) if hint.block_hashes else [0] * len(viewed)
     scored = []
-    for (replica, view), num_hot in zip(viewed, hot_victims, strict=True):
-        cost = replica_cost(view, hint, queue_len(replica), scales, num_hot)
+    for (replica, view), num_uncached, num_hot in zip(viewed, uncached, hot_victims, strict=True):
+        cost = replica_cost(view, num_uncached, queue_len(replica), scales, num_hot)
         scored.append((cost, recent_of(replica), -view.num_empty_pages, replica))
     scored.sort(key=lambda entry: entry[:3])
     return [[entry[-1]] for entry in scored] + ([unknown] if unknown else [])
