@@ -167,9 +167,11 @@ def request(hint: RoutingHint, method: str = "prefill") -> SimpleNamespace:
 def test_the_router_counts_a_choice_when_it_makes_it_not_when_serve_reports_it_routed():
     """Serve chooses for every request of a burst before the first acceptance comes back
     (``on_request_routed``, a round trip later). Counted at the choice, 6 new prefixes on 3 replicas
-    with equal queues spread 2, 2, 2; an acceptance elsewhere (the first choice was full) moves the
-    request's blocks to where it went."""
-    replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=replica(f"r{i}").routing_stats) for i in range(3)]
+    with equal queues spread 2, 2, 2; counted only on acceptance, all 6 went to r0 (the most empty
+    pages in the reports, 1000 vs 990 and 980). An acceptance elsewhere (the first choice was full)
+    moves the request's blocks to where it went."""
+    replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=replica(f"r{i}", empty=1000 - 10 * i).routing_stats)
+                for i in range(3)]
     router = router_with_queue_lens({f"r{i}": 1 for i in range(3)})
     hints = [hint_of(f"new-{i}", tokens(40 + i, 20 * B)) for i in range(6)]
     chosen = [asyncio.run(router.choose_replicas(replicas, request(h)))[0][0].replica_id for h in hints]
