@@ -53,7 +53,10 @@ class AppConfig(WorkerConfig):
     ones cached); None: ``num_pages``. ``context_eviction`` / ``generation_eviction`` (disagg):
     each role's cache eviction (kvcache.pool: ``"lru"`` or ``"keep-hot"``); None: the role's
     default, ``"lru"`` for context, ``"keep-hot"`` for generation. ``eviction`` is the
-    aggregated worker's.
+    aggregated worker's. ``handle_transport``: how the ingress's calls to the workers and
+    their token streams travel: ``"grpc"``, one gRPC stream per call between the replicas
+    (Serve's ``_by_reference=False``); ``"ray"``, Ray actor calls with one Ray object per
+    streamed update (Serve's default; ~2x the CPU per token on the ingress, bench/README).
     """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
@@ -65,6 +68,7 @@ class AppConfig(WorkerConfig):
     generation_num_pages: int | None = None
     context_eviction: str | None = None
     generation_eviction: str | None = None
+    handle_transport: Literal["grpc", "ray"] = "grpc"
 
     @field_validator("api_key", mode="before")
     @classmethod

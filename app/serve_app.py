@@ -28,6 +28,12 @@ INGRESS_MAX_ONGOING_REQUESTS = 1024  # app.config's max_queue is the admission l
 # With max_queue set, Serve's own limit bounds the proxy's queue in front of a full ingress replica,
 # which the middleware cannot see; generous, so that the middleware's OpenAI-shaped 503 comes first.
 INGRESS_MAX_QUEUED_REQUESTS = 1024
+# Serve's HTTP proxy sends each request to the ingress, and gets its streamed response back, over gRPC
+# (one gRPC stream per request, not a Ray object per chunk: about half the proxy's and the ingress's
+# CPU per token, bench/README). The proxy reads this at import and inherits the controller's
+# environment, so it goes to serve.start(controller_options=...) or a config's top-level
+# ``controller_options``; the ingress's own calls to the workers follow AppConfig.handle_transport.
+SERVE_CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_USE_GRPC": "1"}}}
 
 
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0},
@@ -41,13 +47,19 @@ class Ingress:
         self.config = config
         self.tokenizer = Tokenizer(model_path)
         max_model_len = config.serving_max_model_len(model_path)
+        by_reference = config.handle_transport == "ray"
+        self.workers = {role: handle.options(_by_reference=by_reference) for role, handle in workers.items()}
         self.backend = ServeBackend(model_name=config.served_model, max_model_len=max_model_len, board=board,
                                     hasher=PromptHasher(config, model_path),
-                                    local_prefill_max_tokens=config.local_prefill_max_tokens, **workers)
+                                    local_prefill_max_tokens=config.local_prefill_max_tokens, **self.workers)
 
     async def request_paths(self) -> dict[str, str]:
         """Each recent request's path through this ingress (app.serve_backend), for fault tests."""
         return dict(self.backend.paths)
+
+    async def worker_transports(self) -> dict[str, str]:
+        """How the calls to each worker deployment travel: "grpc" or "ray" (AppConfig.handle_transport)."""
+        return {role: "ray" if handle.handle_options._by_reference else "grpc" for role, handle in self.workers.items()}
 
     def __serve_build_asgi_app__(self):
         config = self.config

@@ -19,6 +19,7 @@ import ray
 from ray import serve
 from ray.exceptions import ActorDiedError
 
+from app.serve_app import SERVE_CONTROLLER_OPTIONS
 from bench.common import progress, start_ray
 
 START_ATTEMPTS = 3
@@ -50,7 +51,7 @@ def start_serve() -> int:
     for attempt in range(1, START_ATTEMPTS + 1):
         port = free_port()
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=SERVE_CONTROLLER_OPTIONS)
             return port
         except ActorDiedError as exc:
             serve.shutdown()

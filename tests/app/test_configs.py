@@ -18,7 +18,7 @@ from ray.serve.schema import ServeDeploySchema
 from actors.config import WorkerConfig
 from app.config import API_KEY_ENV, AppConfig
 from app.routing import ROUTER_PATH, CostScales
-from app.serve_app import INGRESS_MAX_QUEUED_REQUESTS, Ingress, build_app
+from app.serve_app import INGRESS_MAX_QUEUED_REQUESTS, SERVE_CONTROLLER_OPTIONS, Ingress, build_app
 from app.serve_workers import AggregatedDeployment, ContextDeployment, GenerationDeployment, WorkerStats
 from engine.config import EngineConfig
 from engine.model_registry import resolve_model_path
@@ -66,6 +66,14 @@ def test_config_loads_through_serve_and_app_config(path):
         call_user_app_builder_with_args_if_necessary(import_attr(app.import_path), app.args)
         unknown = {d.name for d in app.deployments} - DEPLOYMENTS[config.mode]
         assert not unknown, f"{path.name} overrides deployments the app does not have: {unknown}"
+        assert config.handle_transport == "grpc"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_configs_start_serve_with_the_proxy_on_grpc(path):
+    """``serve run`` starts Serve's controller with the config's controller_options; the proxy inherits them."""
+    options = serve_config(path).controller_options
+    assert options is not None and options.model_dump(exclude_none=True) == SERVE_CONTROLLER_OPTIONS
 
 
 def test_local_configs_serve_on_loopback():
@@ -169,7 +177,8 @@ def test_every_worker_and_engine_knob_is_reachable_from_the_args():
     worker_fields = {f.name for f in dataclasses.fields(WorkerConfig)} - engine_fields
     app_fields = {f.name for f in dataclasses.fields(AppConfig)} - engine_fields - worker_fields
     assert app_fields == {"mode", "api_key", "max_queue", "served_model_name", "local_prefill_max_tokens",
-                          "context_num_pages", "generation_num_pages", "context_eviction", "generation_eviction"}
+                          "context_num_pages", "generation_num_pages", "context_eviction", "generation_eviction",
+                          "handle_transport"}
     assert {"claim_s", "transfer_timeout_s", "reserve_timeout_s", "torch_threads"} <= worker_fields
     assert {"drafter", "num_extra_kv_tokens", "seed"} <= engine_fields
     args = {"drafter": "none", "num_extra_kv_tokens": 3, "seed": 7, "claim_s": 9, "transfer_timeout_s": 11,
@@ -221,6 +230,7 @@ def test_disagg_configs_size_both_roles(path):
 @pytest.mark.parametrize("args, message", [
     ({"modle": "x"}, "Unexpected keyword argument"),
     ({"mode": "both"}, "'disagg' or 'aggregated'"),
+    ({"handle_transport": "tcp"}, "'grpc' or 'ray'"),
     ({"transport": "local"}, "needs transport 'nixl'"),
     ({"num_pages": 0}, "greater than or equal to 1"),
     ({"device": "tpu"}, "device must be"),

@@ -3,7 +3,8 @@
 Two applications run side by side for the whole module:
 
     /disagg  ContextWorker + GenerationWorker over NIXL, n-gram drafts (no API key, no queue limit)
-    /agg     AggregatedWorker without drafts, with an API key and max_queue=1
+    /agg     AggregatedWorker without drafts, with an API key and max_queue=1, called over Ray actor
+             calls (handle_transport "ray"; /disagg's ingress calls its workers over gRPC, the default)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import httpx
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
@@ -39,7 +41,7 @@ PROMPTS = ["Hi", "The capital of France is", "abcabcabcabcabcabcabcabcabcabcabca
 def base_url() -> Iterator[str]:
     apps = {"disagg": build_app({**ENGINE, "mode": "disagg", "max_draft_len": MAX_DRAFT_LEN}),
             "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local", "api_key": API_KEY,
-                              "max_queue": 1})}
+                              "max_queue": 1, "handle_transport": "ray"})}
     with serving(apps) as url:
         yield url
 
@@ -277,6 +279,17 @@ def test_disaggregated_equals_aggregated(client, agg_client, agg_url, disagg_url
     assert disagg.choices[0].message.content == agg.choices[0].message.content
     num_pulls, num_bytes, *fallbacks = (a - b for a, b in zip(settled_handoff_counters(disagg_url), before))
     assert (num_pulls, fallbacks) == (len(PROMPTS) + 1, [0, 0]) and num_bytes > 0
+
+
+def test_each_ingress_calls_its_workers_over_its_transport_and_the_proxy_uses_grpc(base_url):
+    """Both transports are served here, and test_disaggregated_equals_aggregated compares their tokens.
+    Serve's proxy got RAY_SERVE_PROXY_USE_GRPC from the controller's options (tests.serving), so it
+    reaches the ingress over gRPC too."""
+    transports = {app: serve.get_deployment_handle("Ingress", app_name=app).worker_transports.remote()
+                  .result(timeout_s=10) for app in ("disagg", "agg")}
+    assert transports == {"disagg": {"context": "grpc", "generation": "grpc"}, "agg": {"aggregated": "ray"}}
+    proxies = [p for p in psutil.process_iter(["cmdline"]) if "ray::ProxyActor" in " ".join(p.info["cmdline"] or [])]
+    assert proxies and all(p.environ().get("RAY_SERVE_PROXY_USE_GRPC") == "1" for p in proxies)
 
 
 def prefix_cache_tokens(url: str) -> dict[str, tuple[float, float]]:
