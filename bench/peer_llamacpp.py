@@ -136,9 +136,11 @@ def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args, attem
     """configs/smollm2.yaml served once (aggregated: with AGGREGATED's changes), every c in turn.
 
     Serve's HTTP proxy must start within Ray's fixed 60 s; on a loaded machine it may not (the start
-    fails with ActorDiedError before any request), and then Serve is started again from scratch.
+    fails with ActorDiedError before any request), and then Serve is started again from scratch, on a
+    new port. So is a proxy that could not bind its port (RayTaskError from ProxyActor.ready: once, at
+    240d168, the free port picked before Ray started was taken when the proxy bound it).
     """
-    from ray.exceptions import ActorDiedError
+    from ray.exceptions import ActorDiedError, RayTaskError
 
     overrides = {system: AGGREGATED} if system == "windserve-aggregated" else None
     for attempt in range(1, attempts + 1):
@@ -146,7 +148,7 @@ def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args, attem
             with serving({system: CONFIG}, free_port(), args.max_seconds, overrides) as urls:
                 return {c: asyncio.run(run_load(urls[system], MODEL, trace, c, args.max_seconds, f"{system} c={c}",
                                                 chat=True, keepalive=False)) for c, trace in traces.items()}
-        except ActorDiedError as exc:
+        except (ActorDiedError, RayTaskError) as exc:
             if attempt == attempts:
                 raise
             progress(f"{system}: Serve did not start (attempt {attempt} of {attempts}: {str(exc)[:80]}); retrying")

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import ray
 from ray import serve
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, RayTaskError
 
 from app.serve_app import SERVE_CONTROLLER_OPTIONS
 from bench.common import progress, start_ray
@@ -53,7 +53,7 @@ def start_serve() -> int:
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=SERVE_CONTROLLER_OPTIONS)
             return port
-        except ActorDiedError as exc:
+        except (ActorDiedError, RayTaskError) as exc:  # RayTaskError: the proxy could not bind the port
             serve.shutdown()
             if attempt == START_ATTEMPTS:
                 raise
