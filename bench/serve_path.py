@@ -44,7 +44,10 @@ from bench.serve.trace import make_trace
 CONFIG = os.path.join("configs", "smollm2.yaml")
 MODEL = "smollm2-135m-instruct"
 OVERRIDES = {"aggregated": AGGREGATED,  # the aggregated run (torch_threads 2), disagg-only fields unset
-             "disagg": {}}
+             "disagg": {},
+             # the same, its ingress calling the worker over Ray actor calls (AppConfig.handle_transport), for
+             # an A/B of the worker -> ingress hop in one run: --modes aggregated,aggregated-ray
+             "aggregated-ray": {**AGGREGATED, "handle_transport": "ray"}}
 # (column, from stamp, to stamp): a token's hops, in path order
 HOPS = (("step", "step_start", "step_end"), ("loop wakeup", "step_end", "loop_get"),
         ("worker relay", "loop_get", "worker_yield"), ("worker->ingress", "worker_yield", "ingress_recv"),
@@ -191,7 +194,7 @@ def print_report(engine_ms: dict[int, float], micro: dict[str, float], runs: dic
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.serve_path", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 and 16 requests of 32 tokens")
-    parser.add_argument("--modes", default="aggregated,disagg")
+    parser.add_argument("--modes", default="aggregated,disagg", help=f"comma-separated subset of {list(OVERRIDES)}")
     parser.add_argument("--no-engine-step", action="store_true", help="skip (1), the engine's own step")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--port", type=int, default=8291, help="Serve's HTTP port (8000 may be taken)")
