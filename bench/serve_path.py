@@ -15,8 +15,8 @@
         engine step   EngineLoop    worker       Serve + Ray     relay, run,     Serve's ASGI hop,
         (a thread)    queue, wakeup generators   (the hop)       formatter       proxy, HTTP, parse
 
-   c = 1: requests alternate between the modes; c = 8: each mode in turn. Prompts of ~400 random
-   tokens, 64 output tokens, ignore_eos (issue 29's client, bench.serve.client).
+   c = 1: requests alternate between the modes; c = 8: each mode in turn. Prompts of 400 random
+   characters (~235 SmolLM2 tokens), 64 output tokens, ignore_eos (issue 29's client, bench.serve.client).
 
 Every process runs on the same cores, so a hop's CPU also slows the others' (the step above all):
 compare the step under serving with (1). Writes ``serve_path.json``; the load (``uptime``) is in it.
