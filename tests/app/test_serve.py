@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from app.serve_app import build_app
+from app.serve_app import SERVE_CONTROLLER_OPTIONS, build_app
 from engine.model_registry import resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client, wait_until
@@ -283,13 +283,15 @@ def test_disaggregated_equals_aggregated(client, agg_client, agg_url, disagg_url
 
 def test_each_ingress_calls_its_workers_over_its_transport_and_the_proxy_uses_grpc(base_url):
     """Both transports are served here, and test_disaggregated_equals_aggregated compares their tokens.
-    Serve's proxy got RAY_SERVE_PROXY_USE_GRPC from the controller's options (tests.serving), so it
-    reaches the ingress over gRPC too."""
+    Serve's proxy got SERVE_CONTROLLER_OPTIONS' variables (RAY_SERVE_PROXY_USE_GRPC among them) from the
+    controller's options (tests.serving), so it reaches the ingress over gRPC too."""
     transports = {app: serve.get_deployment_handle("Ingress", app_name=app).worker_transports.remote()
                   .result(timeout_s=10) for app in ("disagg", "agg")}
     assert transports == {"disagg": {"context": "grpc", "generation": "grpc"}, "agg": {"aggregated": "ray"}}
     proxies = [p for p in psutil.process_iter(["cmdline"]) if "ray::ProxyActor" in " ".join(p.info["cmdline"] or [])]
-    assert proxies and all(p.environ().get("RAY_SERVE_PROXY_USE_GRPC") == "1" for p in proxies)
+    env_vars = SERVE_CONTROLLER_OPTIONS["runtime_env"]["env_vars"]
+    assert env_vars["RAY_SERVE_PROXY_USE_GRPC"] == "1"
+    assert proxies and all(p.environ().get(name) == value for p in proxies for name, value in env_vars.items())
 
 
 def prefix_cache_tokens(url: str) -> dict[str, tuple[float, float]]:
