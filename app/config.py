@@ -56,7 +56,7 @@ class AppConfig(WorkerConfig):
     aggregated worker's. ``handle_transport``: how the ingress's calls to the workers and
     their token streams travel: ``"grpc"``, one gRPC stream per call between the replicas
     (Serve's ``_by_reference=False``); ``"ray"``, Ray actor calls with one Ray object per
-    streamed update (Serve's default; ~2x the CPU per token on the ingress, bench/README).
+    streamed update (Serve's default; ~1.6x the CPU per token on the ingress, bench/README).
     """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
