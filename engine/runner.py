@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.forward import ForwardBatch, positions_of
 from engine.gpu.static_runner import StaticStepRunner, StepSamples
 from engine.gpu.step_buffers import StepShape
-from engine.native import paged_decode_kernel
+from engine.native import paged_decode_kernel, set_pool_yields_kernel
 from engine.scheduler import ScheduledRequest
 from kvcache import KVCacheManager, get_kv_capacity_tokens
 
@@ -52,11 +52,15 @@ class ModelRunner:
         self.num_forward_passes = 0
         if self.device.type == "cpu":
             paged_decode_kernel()  # built (or loaded from torch's cache) now, not inside the first step
+        # how the native pool's helpers wait between kernels, set per step (engine/native/work_pool.cpp)
+        self._set_pool_yields = set_pool_yields_kernel() if self.device.type == "cpu" else None
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledRequest]) -> RunOutput:
         """One forward pass; the logits of every request that samples this step, in one tensor."""
         self.num_forward_passes += 1
+        if self._set_pool_yields is not None:  # decode-only: its helper yields the core between kernels
+            self._set_pool_yields(all(item.num_new_tokens == 1 for item in scheduled))
         if self.static is not None and self.static.can_run(scheduled):
             return RunOutput(*self.static.run(scheduled))
         batch, spans = self._build(scheduled)

@@ -158,6 +158,13 @@ def quant_matmul_kernel():
     return _kernel("quant_matmul")
 
 
+def set_pool_yields_kernel():
+    """``set_pool_yields(yields)``: whether the few-row kernels' helper threads yield their core between
+    jobs, for the step about to run (work_pool.cpp: decode-only steps yes, prefill and mixed steps no),
+    or None."""
+    return _kernel("set_pool_yields")
+
+
 def quant_rows_kernel():
     """``quant_rows(blocks, kind, index) -> float32 rows`` of a GGUF-quantized weight (quant.cpp), or None."""
     return _kernel("quant_rows")

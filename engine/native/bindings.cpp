@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x @ W.T + bias for a few rows, W in GGUF blocks (Q8_0, Q4_0, Q4_1)");
   m.def("quant_rows", &quant_rows, "rows of a GGUF-quantized weight, dequantized to float32");
   m.def("quant_matmul", &quant_matmul, "x @ W.T + bias for many rows, W dequantized a tile at a time");
+  m.def("set_pool_yields", &set_pool_yields, "how the few-row kernels' helper threads wait between jobs");
   bind_decode_stack(m);
   m.def("write_kv", &write_kv, "a step's new K and V rows of one layer into their pages");
 }

@@ -38,6 +38,10 @@ at::Tensor quant_rows(const at::Tensor& blocks, int64_t kind, const at::Tensor& 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                         const c10::optional<at::Tensor>& bias, int64_t tile_rows);
 
+// How parallel_chunks' helpers wait between jobs (work_pool.cpp): true for decode-only steps (yield the
+// core to other processes), false for prefill and mixed steps (pause, then sleep).
+void set_pool_yields(bool yields);
+
 namespace windserve {
 // f(first, last) over [0, n) in chunks of `grain`, on the calling thread and work_pool.cpp's helpers
 // (at::get_num_threads() in all); returns when every chunk is done. A helper the OS has not scheduled

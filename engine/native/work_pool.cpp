@@ -1,8 +1,8 @@
 // parallel_chunks: the few-row kernels' threads, robust to a core being taken away.
 //
 // at::parallel_for (OpenMP) splits a range into one share per thread and ends at a barrier: when the OS
-// runs something else on one of the two cores (in a served worker, Serve's ingress and proxy take ~5 ms of
-// CPU per streamed token), the whole step waits for the descheduled thread. Measured on the 2-core box:
+// runs something else on one of the two cores (in a served worker, Serve's ingress and proxy took ~5 ms of
+// CPU per streamed token then), the whole step waits for the descheduled thread. Measured on the 2-core box:
 // SmolLM2's batch-1 step 9.5 ms alone, 21 ms inside a serving worker.
 //
 // Here the range is cut into chunks claimed from one counter by the calling thread and the pool's helpers
@@ -10,17 +10,39 @@
 // waits for it: it returns once every chunk is done and no helper still holds the job. Which thread
 // computes a chunk changes no result (each kernel computes every output the same way on any thread).
 //
-// A helper spins for a short while after its last job (the next kernel of a step follows within
-// microseconds), then sleeps on a condition variable. A job is published by bumping `generation`; a helper
-// joins it by raising `active` and then checking the generation again, and the caller closes the job
-// (bumps the generation) before it waits for `active` to fall to 0, so a late helper never touches a
-// finished job. One job at a time: a second caller (another thread) runs its range inline.
+// Between jobs a helper waits as the step it serves calls for (set_pool_yields, once per step):
+//
+//   prefill or mixed steps     ~0.5 ms of pause, then sleep on a condition variable (the next kernel of a
+//                              step follows within microseconds; OpenMP's threads run the big GEMMs)
+//   decode-only steps          a few us of pause, then sched_yield until kYieldFor after its last job,
+//                              then sleep
+//
+// Yielding is for the served worker: the tokens' hops (ingress, proxy, client: ~3 ms of CPU per token at
+// c = 1) run on the engine's two cores, and a helper that pauses between kernels holds its core while they
+// wait for it, so they preempt the engine's threads mid-kernel instead; one that yields hands them the core
+// in its idle gaps. Served SmolLM2 (bench.serve_path, one mode per run, runs alternated; the box is noisy):
+//
+//   helpers yield in             c = 1 ITL p50 (ms)           c = 8 tok/s           c = 8 TTFT p50 (s)
+//   no step (pause: the old)     15.24 15.69 16.90 15.04      72.0 69.2 70.5 65.8   3.9 4.1 3.9 4.2
+//   every step                   14.05 14.50                  66.2 62.5             4.4 4.7
+//   decode-only steps (this)     13.86 14.99                  62.6 75.1             4.9 3.7
+//
+// Yielding in every step lost at c = 8: a helper that yields is still runnable and takes turns from the
+// OpenMP threads of the prefill chunks. WINDSERVE_POOL_YIELD=0 (read once) keeps the pause in every step.
+//
+// A job is published by bumping `generation`; a helper joins it by raising `active` and then checking the
+// generation again, and the caller closes the job (bumps the generation) before it waits for `active` to
+// fall to 0, so a late helper never touches a finished job. One job at a time: a second caller (another
+// thread) runs its range inline.
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -32,7 +54,9 @@
 
 namespace {
 
-constexpr int kSpinRounds = 20000;  // ~50-100 us of pause before a helper sleeps
+constexpr int kSpinRounds = 20000;  // ~0.5 ms of pause before a helper sleeps (prefill and mixed steps)
+constexpr int kYieldingSpins = 200;  // decode-only steps: a few us of pause before a helper yields,
+constexpr std::chrono::microseconds kYieldFor{2000};  // then sched_yield until this long after its last job
 constexpr int kCallerSpins = 2000;  // a few us of pause before the caller yields, waiting for a helper
 
 inline void relax() {
@@ -51,6 +75,8 @@ class Pool {
     static Pool* pool = new Pool();  // never destroyed: helpers may outlive static destruction at exit
     return *pool;
   }
+
+  void set_yields(bool yields) { yields_.store(yields && yield_allowed_, std::memory_order_relaxed); }
 
   void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
     const int64_t num_chunks = (n + grain - 1) / grain;
@@ -107,7 +133,14 @@ class Pool {
     uint64_t seen = generation_.load();
     while (true) {
       uint64_t now = generation_.load();
-      for (int spin = 0; now == seen && spin < kSpinRounds; ++spin) relax(), now = generation_.load();
+      const bool yields = yields_.load(std::memory_order_relaxed);
+      for (int spin = 0; now == seen && spin < (yields ? kYieldingSpins : kSpinRounds); ++spin) {
+        relax(), now = generation_.load();
+      }
+      const auto until = std::chrono::steady_clock::now() + kYieldFor;
+      while (yields && now == seen && std::chrono::steady_clock::now() < until) {
+        std::this_thread::yield(), now = generation_.load();
+      }
       if (now == seen) {
         std::unique_lock<std::mutex> lock(sleep_);
         wake_.wait(lock, [&] { return generation_.load() != seen; });
@@ -120,6 +153,11 @@ class Pool {
     }
   }
 
+  const bool yield_allowed_ = [] {
+    const char* flag = std::getenv("WINDSERVE_POOL_YIELD");
+    return flag == nullptr || std::string(flag) != "0";
+  }();
+  std::atomic<bool> yields_{false};
   std::mutex submit_, sleep_;
   std::condition_variable wake_;
   std::vector<std::thread> helpers_;
@@ -138,3 +176,5 @@ void parallel_chunks(int64_t n, int64_t grain, const std::function<void(int64_t,
 }
 
 }  // namespace windserve
+
+void set_pool_yields(bool yields) { Pool::get().set_yields(yields); }

@@ -153,3 +153,22 @@ def test_abort_frees_pages_at_every_stage(tiny_model):
     assert not engine.abort("b")
     engine.manager.check_integrity()
     assert engine.manager.num_free_pages() == engine.manager.num_total_pages()
+
+
+def test_the_pools_helpers_yield_in_decode_only_steps(tiny_model, monkeypatch):  # noqa: F811
+    """engine/native/work_pool.cpp's helpers yield their core between kernels in steps that only decode,
+    and pause in steps that prefill (whose GEMMs run on OpenMP's threads): the runner says which, per step,
+    from what the step computes. A prompt longer than the step's token budget prefills over two steps."""
+    engine = make_engine(tiny_model, max_num_batched_tokens=40, enable_prefix_caching=False)
+    calls: list[bool] = []
+    monkeypatch.setattr(engine.runner, "_set_pool_yields", calls.append)
+    engine.add_request("a", list(range(5, 35)), SamplingParams(max_tokens=4, ignore_eos=True))
+    steps = [engine.step()]  # a's prefill (30 tokens)
+    engine.add_request("b", list(range(100, 150)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        steps.append(engine.step())
+    computed = [[u.request_id for u in updates if u.new_token_ids] for updates in steps]
+    # a prefills; a decodes with b's first 39 tokens; a with b's last 11 (b's first token); both decode
+    assert computed[:3] == [["a"], ["a"], ["a", "b"]]
+    assert calls[:4] == [False, False, False, True]
+    assert all(calls[3:]) and len(calls) == len(steps)

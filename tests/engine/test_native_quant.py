@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from engine.models import packed
 from engine.models.quantized import QuantizedWeight
-from engine.native import quant_linear_kernel, quant_matmul_kernel, quant_rows_kernel
+from engine.native import quant_linear_kernel, quant_matmul_kernel, quant_rows_kernel, set_pool_yields_kernel
 from tests.engine.engine_fixtures import built_kernel
 
 KINDS = [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
@@ -142,8 +142,10 @@ def test_quantized_weight_rows_split_and_cat(kernels):
        kind=st.sampled_from(KINDS), seed=st.integers(0, 10_000))
 def test_few_rows_are_the_same_on_any_number_of_threads(kernels, rows, out_features, in_blocks, kind, seed):
     """The few-row kernel's outputs are cut into chunks that any thread of engine/native/work_pool.cpp
-    claims: 1, 2 or 3 threads (more than this box's cores) give the same bits, call after call."""
+    claims: 1, 2 or 3 threads (more than this box's cores) give the same bits, call after call, whether
+    the pool's helpers pause or yield between jobs (set_pool_yields)."""
     linear, _, _ = kernels
+    set_pool_yields = set_pool_yields_kernel()
     gen = torch.Generator().manual_seed(seed)
     blocks, _ = quantized(out_features, 32 * in_blocks, kind, gen)
     x = torch.randn(rows, 32 * in_blocks, generator=gen)
@@ -153,7 +155,9 @@ def test_few_rows_are_the_same_on_any_number_of_threads(kernels, rows, out_featu
         want = linear(x, blocks, int(kind), None)
         for threads in (2, 3):
             torch.set_num_threads(threads)
-            for _ in range(3):
+            for yields in (False, True, False):
+                set_pool_yields(yields)
                 assert torch.equal(linear(x, blocks, int(kind), None), want)
     finally:
         torch.set_num_threads(before)
+        set_pool_yields(False)
