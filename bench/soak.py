@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     from ray import serve
 
-    from app.serve_app import SERVE_CONTROLLER_OPTIONS, build_app
+    from app.serve_app import build_app, start_serve
 
     config = {"mode": "disagg", "tokens_per_block": 8, "num_pages": 48, "max_num_seqs": 8,
               "max_num_batched_tokens": 64, "device": "cpu", "lease_s": 3.0, "max_queue": 16}
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     url = f"http://127.0.0.1:{port}/soak"
     start_ray(address="local", num_cpus=2)  # a new instance, never a cluster someone else started
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=SERVE_CONTROLLER_OPTIONS)
+        start_serve(port)
         serve.run(build_app(config), name="soak", route_prefix="/soak")
         asyncio.run(soak(url, None, 10, concurrency=args.concurrency))  # warm-up
         rss_before = {name: rss_kib(pid) for name, pid in worker_pids("soak").items()}

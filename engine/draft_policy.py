@@ -142,7 +142,7 @@ class DraftLengthPolicy:
 
         On a GPU the step ends with the sampler's host sync, so its time is the device's too.
         """
-        if all(item.num_new_tokens == 1 for item in scheduled):
+        if all(item.is_decode for item in scheduled):
             num_drafting = sum(bool(item.draft_token_ids) for item in scheduled)
             self.cost.record(sum(item.num_query_tokens for item in scheduled), seconds, num_drafting)
 

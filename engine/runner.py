@@ -60,7 +60,7 @@ class ModelRunner:
         """One forward pass; the logits of every request that samples this step, in one tensor."""
         self.num_forward_passes += 1
         if self._set_pool_yields is not None:  # decode-only: its helper yields the core between kernels
-            self._set_pool_yields(all(item.num_new_tokens == 1 for item in scheduled))
+            self._set_pool_yields(all(item.is_decode for item in scheduled))
         if self.static is not None and self.static.can_run(scheduled):
             return RunOutput(*self.static.run(scheduled))
         batch, spans = self._build(scheduled)

@@ -53,6 +53,11 @@ class ScheduledRequest:
     def num_query_tokens(self) -> int:
         return self.num_new_tokens + len(self.draft_token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token (and its drafts, if any): a decode or verify, not a prefill chunk."""
+        return self.num_new_tokens == 1
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, manager: KVCacheManager, propose: Proposer | None = None,

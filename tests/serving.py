@@ -19,7 +19,7 @@ import ray
 from ray import serve
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from app.serve_app import SERVE_CONTROLLER_OPTIONS
+from app import serve_app
 from bench.common import progress, start_ray
 
 START_ATTEMPTS = 3
@@ -38,7 +38,7 @@ def serving(apps: dict[str, serve.Application]) -> Iterator[str]:
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_TIMEOUT_S))
     start_ray(address="local", num_cpus=2)  # a new instance, never a cluster someone else started
     try:
-        port = start_serve()
+        port = start_serve_on_a_free_port()
         serve.run_many([serve.RunTarget(app, name=name, route_prefix=f"/{name}") for name, app in apps.items()])
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -46,12 +46,12 @@ def serving(apps: dict[str, serve.Application]) -> Iterator[str]:
         ray.shutdown()
 
 
-def start_serve() -> int:
+def start_serve_on_a_free_port() -> int:
     """Serve's controller and proxy on a free port (the module docstring's retry); the port."""
     for attempt in range(1, START_ATTEMPTS + 1):
         port = free_port()
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=SERVE_CONTROLLER_OPTIONS)
+            serve_app.start_serve(port)
             return port
         except (ActorDiedError, RayTaskError) as exc:  # RayTaskError: the proxy could not bind the port
             serve.shutdown()

@@ -88,7 +88,7 @@ def serving(configs: dict[str, str], port: int | None, max_seconds: float, overr
     import ray
     from ray import serve
 
-    from app.serve_app import SERVE_CONTROLLER_OPTIONS, build_app_with
+    from app.serve_app import build_app_with, start_serve
 
     loaded = {mode: load_serve_config(path) for mode, path in configs.items()}
     for mode, args in (overrides or {}).items():
@@ -103,7 +103,7 @@ def serving(configs: dict[str, str], port: int | None, max_seconds: float, overr
                 for mode, (app, _) in loaded.items()}
     start_ray(address="local", num_cpus=os.cpu_count())  # never a cluster someone else started
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=SERVE_CONTROLLER_OPTIONS)
+        start_serve(port)
         started = time.monotonic()
         serve.run_many([serve.RunTarget(build_app_with(app["args"], (worker_options or {}).get(mode)), name=mode,
                                         route_prefix=prefixes[mode])

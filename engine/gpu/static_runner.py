@@ -52,7 +52,7 @@ class StaticStepRunner:
         """Decode or verify steps only: one new token per request, each one sampling, within the buffers."""
         shape = self.buffers.shape
         return (0 < len(scheduled) <= shape.max_num_seqs
-                and all(item.num_new_tokens == 1 and item.reaches_end for item in scheduled)
+                and all(item.is_decode and item.reaches_end for item in scheduled)
                 and sum(item.num_query_tokens for item in scheduled) <= shape.max_tokens)
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[tuple[int, int]], StepSamples]:

@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -95,7 +96,12 @@ inline void dot_block(const uint8_t* block, int64_t in, const float* xb, const f
                       float accm[T]) {
   __m256 q[4];
   load_q<K>(block, q);
-  const __m256 d = _mm256_set1_ps(half_at(block));
+  // d (and Q4_1's m after it) widened from one 4-byte load: two halves in one vcvtph2ps, not one each
+  // (a scalar load, insert and convert per half: ~5% of a Q4_1 row's time, measured alone)
+  int32_t scales;
+  std::memcpy(&scales, block, sizeof(scales));
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(scales));
+  const __m256 d = _mm256_broadcastss_ps(dm);
   for (int t = 0; t < T; ++t) {
     const float* x = xb + t * in;
     __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
@@ -103,7 +109,7 @@ inline void dot_block(const uint8_t* block, int64_t in, const float* xb, const f
     acc[t] = _mm256_fmadd_ps(d, s, acc[t]);
   }
   if constexpr (K == kQ4_1) {
-    const float m = half_at(block + 2);
+    const float m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
     for (int t = 0; t < T; ++t) accm[t] = std::fma(m, xsum_b[t * (in / kBlock)], accm[t]);
   }
 }

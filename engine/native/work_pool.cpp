@@ -137,9 +137,9 @@ class Pool {
       for (int spin = 0; now == seen && spin < (yields ? kYieldingSpins : kSpinRounds); ++spin) {
         relax(), now = generation_.load();
       }
-      const auto until = std::chrono::steady_clock::now() + kYieldFor;
-      while (yields && now == seen && std::chrono::steady_clock::now() < until) {
-        std::this_thread::yield(), now = generation_.load();
+      if (yields && now == seen) {
+        const auto until = std::chrono::steady_clock::now() + kYieldFor;
+        while (now == seen && std::chrono::steady_clock::now() < until) std::this_thread::yield(), now = generation_.load();
       }
       if (now == seen) {
         std::unique_lock<std::mutex> lock(sleep_);

@@ -36,13 +36,13 @@ def test_args_pick_systems_and_sizes():
         peer.parse_args(["--systems", "llamacpp-q4_1,vllm"])
 
 
-def test_cmake_commands_build_only_the_server_and_quantize(tmp_path):
+def test_cmake_commands_build_only_the_server_quantize_and_bench(tmp_path):
     source = str(tmp_path / "llama.cpp")
     configure, build = llamacpp.cmake_commands(source, jobs=2)
     build_dir = os.path.join(source, "build")
     assert configure[:5] == ["cmake", "-S", source, "-B", build_dir]
     assert {"-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"} <= set(configure)
-    assert build == ["cmake", "--build", build_dir, "--target", "llama-server", "llama-quantize", "-j", "2"]
+    assert build == ["cmake", "--build", build_dir, "--target", "llama-server", "llama-quantize", "llama-bench", "-j", "2"]
     assert llamacpp.binary_path(source) == os.path.join(build_dir, "bin", "llama-server")
 
 
