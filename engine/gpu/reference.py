@@ -84,8 +84,10 @@ def reference_write_kv(kv_cache, layer_index, slot_mapping, key, value) -> None:
     k_rows = (page * num_layers + layer_index) * 2 * block_size + offset
     for rows, new in ((k_rows, key), (k_rows + block_size, value)):
         new = new.reshape(new.shape[0], -1).to(kv_cache.dtype)
-        stand_in_row = torch.where(any_live, rows[first_live], 0)
-        stand_in = torch.where(any_live, new[first_live], token_rows[0])
+        # index_select, not rows[first_live]: indexing by a 0-dim tensor reads it on the host (.item(),
+        # a sync that a CUDA graph's capture refuses)
+        stand_in_row = torch.where(any_live, rows.index_select(0, first_live.view(1))[0], 0)
+        stand_in = torch.where(any_live, new.index_select(0, first_live.view(1))[0], token_rows[0])
         target = torch.where(is_live, rows, stand_in_row)
         data = torch.where(is_live[:, None], new, stand_in[None, :])
         token_rows.index_copy_(0, target, data)

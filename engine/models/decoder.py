@@ -263,8 +263,8 @@ class DecoderForCausalLM(nn.Module):
     def _native_stack(self):
         """engine.models.native_stack's one-call layers for few-row steps, built at the first step (weights
         loaded, fused and packed by then); None where the model's layers are not ones it runs."""
-        if not native_stack.enabled():
-            return None
+        if not native_stack.enabled() or self.model.embed_tokens.weight.device.type != "cpu":
+            return None  # CPU kernels: never built (~1 min of compiling) for a model on a GPU
         if not hasattr(self, "_stack"):
             self._stack = native_stack.build(self)
         return self._stack

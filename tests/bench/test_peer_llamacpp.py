@@ -42,7 +42,8 @@ def test_cmake_commands_build_only_the_server_quantize_and_bench(tmp_path):
     build_dir = os.path.join(source, "build")
     assert configure[:5] == ["cmake", "-S", source, "-B", build_dir]
     assert {"-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DCMAKE_BUILD_TYPE=Release"} <= set(configure)
-    assert build == ["cmake", "--build", build_dir, "--target", "llama-server", "llama-quantize", "llama-bench", "-j", "2"]
+    assert build == ["cmake", "--build", build_dir, "--target", "llama-server", "llama-quantize", "llama-bench",
+                     "-j", "2"]
     assert llamacpp.binary_path(source) == os.path.join(build_dir, "bin", "llama-server")
 
 

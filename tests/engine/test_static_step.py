@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine import SamplingParams
+from engine.gpu.sampling import SamplingRows, accepted_drafts, sample_tokens, top_logprobs
 from engine.gpu.static_runner import static_forward
 from engine.gpu.step_buffers import StaticStepBuffers, StepRequest, StepShape
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
@@ -144,3 +145,36 @@ def test_seeded_static_sampling_does_not_depend_on_drafts_or_batch(tiny_model, r
     assert got[0] == got[3]
     assert run_to_completion(alone, prompts[1:2], params[1:2])["r0"] == got[0]["r1"]
     assert len(set(map(tuple, got[0].values()))) == 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen2_sliding"])
+def test_the_captured_step_reads_no_value_on_the_host(arch):
+    """A CUDA graph's capture refuses any host sync (.item(), .tolist(), a data-dependent shape, a Python branch
+    on a tensor), and the step's sampling may read back only once. Both run here on meta tensors, which have
+    shapes and no data, so any such read raises: the forward a graph captures (the references' attention, as
+    on a GPU without Triton) and the draws after it (temperature, top-k/top-p, drafts, logprobs)."""
+    _, ours, config = load_pair(arch)
+    cache = PagedKV.for_config(config, B)
+    steps = [(0, [7], 5), (1, [3, 9, 4], 13), (2, [1], 22)]
+    for r, tokens, start in steps:
+        cache.prepare(r, start, start + len(tokens))
+    windows = {g.name: g.window for g in cache.spec.groups}
+    buffers = StaticStepBuffers(StepShape(4, 8, WIDTH, B, windows), "meta")
+    size = buffers.fill([StepRequest(f"r{r}", tokens, start, cache.tables[r]) for r, tokens, start in steps])
+    buffers.upload()
+    model = copy.deepcopy(ours).to("meta")
+    with torch.inference_mode():
+        logits = static_forward(model, buffers, size, model.rope_table(WIDTH * B, "meta"),
+                                {group: pages.to("meta") for group, pages in cache.kv.items()})
+        assert logits.device.type == "meta" and logits.shape == (size, config.vocab_size)
+        view = buffers.token_view
+        rows = SamplingRows(buffers.float_view("temperature", size), view("top_k", size),
+                            buffers.float_view("top_p", size), *buffers.seeds(size), view("counters", size))
+        for is_greedy, is_filtered in ((True, False), (False, False), (False, True)):
+            ids = sample_tokens(logits, rows, is_greedy=is_greedy, is_filtered=is_filtered)
+            assert ids.device.type == "meta" and ids.shape == (size,)
+        accepted = accepted_drafts(ids, view("input_ids", size), view("token_offsets", size), view("table_rows", size),
+                                   len(steps))
+        chosen, values, top_ids = top_logprobs(logits, ids, 3)
+    assert accepted.shape == (len(steps),) and values.shape == top_ids.shape == (size, 3)
+    assert chosen.device.type == "meta"

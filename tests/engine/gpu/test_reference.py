@@ -66,3 +66,17 @@ def test_splits_only_fill_an_idle_gpu_with_long_ranges(num_tokens, num_kv, conte
         assert splits == 1  # the grid already fills the GPU, or too few keys to share
     assert splits == 1 or context // splits >= 512  # each split keeps enough keys to pay for its partial write
     assert splits == 1 or num_tokens * num_kv * (splits - 1) < 2 * num_sms  # no more programs than ~2 waves
+
+
+def test_the_references_read_no_value_on_the_host():
+    """What a CUDA graph's capture needs of them: no .item(), no data-dependent shape. On meta tensors
+    (shapes, no data) any host read raises; indexing by a 0-dim tensor (``rows[first_live]``, the write's
+    first version) was one."""
+    cache, slot_mapping, key, value = write_case(5, 4, 6, seed=1)
+    meta = [t.to("meta") for t in (cache, slot_mapping, key, value)]
+    reference_write_kv(meta[0], 1, *meta[1:])
+    case = make_case([(1, 9), (2, 5)], 4, 3, 2, 1, 16, LAYERS, 1, 1, False, seed=2)
+    out = reference_decode_attention(*(t.to("meta") for t in (case.query, case.kv_cache)), 1,
+                                     *(t.to("meta") for t in (case.block_tables, case.table_rows, case.positions)),
+                                     window=3, scale=0.25, sinks=case.sinks.to("meta"))
+    assert out.device.type == "meta" and out.shape == case.query.shape
