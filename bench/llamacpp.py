@@ -49,9 +49,18 @@ def version_key(version: str) -> tuple:
 
 def cmake_commands(source_dir: str, jobs: int = 2) -> list[list[str]]:
     """Configure, then build only the targets the benches run (the whole tree takes far longer)."""
-    build_dir = os.path.join(source_dir, "build")
-    return [["cmake", "-S", source_dir, "-B", build_dir, *CMAKE_OPTIONS],
-            ["cmake", "--build", build_dir, "--target", *BUILD_TARGETS, "-j", str(jobs)]]
+    return [["cmake", "-S", source_dir, "-B", os.path.join(source_dir, "build"), *CMAKE_OPTIONS],
+            build_command(source_dir, BUILD_TARGETS, jobs)]
+
+
+def build_command(source_dir: str, targets: tuple[str, ...], jobs: int = 2) -> list[str]:
+    return ["cmake", "--build", os.path.join(source_dir, "build"), "--target", *targets, "-j", str(jobs)]
+
+
+def run_niced(command: list[str]) -> None:
+    """A build step, shown, at niceness 10 (a build shares the cores with whatever else runs)."""
+    progress(f"running {' '.join(command)}")
+    subprocess.run(["nice", "-n", "10", *command], check=True)
 
 
 def find_source_dir(unpacked: str) -> str:
@@ -101,8 +110,7 @@ def build(cache_dir: str, jobs: int = 2) -> tuple[str, str]:
     source = find_source_dir(unpacked)
     started = time.monotonic()
     for command in cmake_commands(source, jobs):
-        progress(f"running {' '.join(command)}")
-        subprocess.run(["nice", "-n", "10", *command], check=True)
+        run_niced(command)
     progress(f"built llama.cpp {version} in {time.monotonic() - started:.0f}s")
     return version, source
 
@@ -120,9 +128,7 @@ def ensure_target(source_dir: str, name: str) -> str:
     """The binary ``name`` of a build here, built now if this build predates it (the tree is configured)."""
     path = binary_path(source_dir, name)
     if not os.access(path, os.X_OK):
-        command = ["cmake", "--build", os.path.join(source_dir, "build"), "--target", name, "-j", "2"]
-        progress(f"running {' '.join(command)}")
-        subprocess.run(["nice", "-n", "10", *command], check=True)
+        run_niced(build_command(source_dir, (name,)))
     return path
 
 

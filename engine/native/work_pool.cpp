@@ -139,7 +139,9 @@ class Pool {
       }
       if (yields && now == seen) {
         const auto until = std::chrono::steady_clock::now() + kYieldFor;
-        while (now == seen && std::chrono::steady_clock::now() < until) std::this_thread::yield(), now = generation_.load();
+        while (now == seen && std::chrono::steady_clock::now() < until) {
+          std::this_thread::yield(), now = generation_.load();
+        }
       }
       if (now == seen) {
         std::unique_lock<std::mutex> lock(sleep_);
