@@ -57,6 +57,10 @@ class AppConfig(WorkerConfig):
     their token streams travel: ``"grpc"``, one gRPC stream per call between the replicas
     (Serve's ``_by_reference=False``); ``"ray"``, Ray actor calls with one Ray object per
     streamed update (Serve's default; ~1.6x the CPU per token on the ingress, bench/README).
+    ``engine_in_ingress`` (aggregated only): the ingress replica runs the engine itself, so a
+    token reaches the HTTP response with no Serve hop from a worker replica (app.local_backend);
+    scale it with the ingress's ``num_replicas`` (Serve's proxy spreads requests over them, with
+    no KV-aware placement).
     """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
@@ -69,6 +73,7 @@ class AppConfig(WorkerConfig):
     context_eviction: str | None = None
     generation_eviction: str | None = None
     handle_transport: Literal["grpc", "ray"] = "grpc"
+    engine_in_ingress: bool = False
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -91,6 +96,9 @@ class AppConfig(WorkerConfig):
                     raise ValueError(f"{name} sizes a disagg role; mode '{self.mode}' takes num_pages only")
                 check_at_least(self, (name,), 1)
         self._check_eviction()
+        if self.engine_in_ingress and self.mode != "aggregated":
+            raise ValueError(f"engine_in_ingress runs one aggregated engine in the ingress; mode '{self.mode}' "
+                             "has context and generation workers of its own")
         if self.served_model_name is not None and not self.served_model_name:
             raise ValueError("served_model_name must be non-empty (leave it unset for the model's short name)")
 

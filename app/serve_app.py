@@ -2,11 +2,12 @@
 
     Ingress (FastAPI, app.api) ──► ContextWorker ──► GenerationWorker     mode: disagg
                                └─► AggregatedWorker                       mode: aggregated
+    Ingress running the engine itself (EngineIngress)                     mode: aggregated, engine_in_ingress
     every worker replica ──(its stats, every REPORT_PERIOD_S)──► WorkerStats ◄── GET /metrics
 
 The worker deployments and the stats board are app.serve_workers'; here are the
-ingress (the OpenAI API over the workers' handles, app.serve_backend) and the
-builder that binds them from one ``AppConfig``.
+ingress (the OpenAI API over the workers' handles, app.serve_backend; or over its
+own engine, app.local_backend) and the builder that binds them from one ``AppConfig``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import build_api
 from app.config import AppConfig
+from app.local_backend import LocalBackend
 from app.placement import PromptHasher
 from app.serve_backend import ServeBackend
-from app.serve_workers import AggregatedDeployment, ContextDeployment, GenerationDeployment, WorkerStats
+from app.serve_workers import (
+    WORKER_OPTIONS,
+    AggregatedDeployment,
+    AggregatedReplica,
+    ContextDeployment,
+    GenerationDeployment,
+    WorkerReplica,
+    WorkerStats,
+)
 from engine.model_registry import resolve_model_path
 from engine.tokenizer import Tokenizer
 
@@ -72,10 +82,45 @@ class Ingress:
         return {role: "ray" if handle.handle_options._by_reference else "grpc" for role, handle in self.workers.items()}
 
     def __serve_build_asgi_app__(self):
-        config = self.config
-        api = build_api(self.backend, self.tokenizer, api_key=config.api_key, max_queue=config.max_queue)
-        api.add_middleware(ServeDisconnectMiddleware)
-        return api
+        return ingress_api(self.backend, self.tokenizer, self.config)
+
+
+# The engine's replica: Serve's health checks every second, as for the worker deployments (a dead engine
+# is replaced as soon); the worker deployments' KV-aware router has nothing to choose here.
+ENGINE_INGRESS_OPTIONS = {key: value for key, value in WORKER_OPTIONS.items() if key != "request_router_config"}
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, **ENGINE_INGRESS_OPTIONS)
+@serve.ingress()
+class EngineIngress(AggregatedReplica):
+    """The OpenAI HTTP API over an aggregated engine in this replica (``engine_in_ingress``): a token goes
+    from the engine loop to the SSE response in process, with no Serve stream between worker and ingress.
+    Also a worker replica (app.serve_workers.AggregatedReplica): stats to the board, ``abort``, ``ping``."""
+
+    async def __init__(self, config: AppConfig, board: DeploymentHandle) -> None:
+        model_path = resolve_model_path(config.model)
+        self.config = config
+        self.tokenizer = Tokenizer(model_path)
+        max_model_len = config.serving_max_model_len(model_path)
+        await super().__init__(config.to_worker_config(), board)
+        self.backend = LocalBackend(self, model_name=config.served_model, max_model_len=max_model_len, board=board)
+
+    def __serve_build_asgi_app__(self):
+        return ingress_api(self.backend, self.tokenizer, self.config)
+
+    async def __del__(self) -> None:
+        """The worker's shutdown (WorkerReplica's), then the ASGI wrapper's (Serve's, next in the MRO)."""
+        await WorkerReplica.__del__(self)
+        parent = getattr(super(WorkerReplica, self), "__del__", None)
+        if parent is not None:
+            await parent()
+
+
+def ingress_api(backend, tokenizer: Tokenizer, config: AppConfig) -> ASGIApp:
+    """app.api's FastAPI app as an ingress replica serves it."""
+    api = build_api(backend, tokenizer, api_key=config.api_key, max_queue=config.max_queue)
+    api.add_middleware(ServeDisconnectMiddleware)
+    return api
 
 
 class ServeDisconnectMiddleware:
@@ -113,6 +158,8 @@ def build_app_with(args: dict | None = None, worker_options: dict[str, dict] | N
     """``build_app`` plus ``worker_options``: Serve options by worker deployment name
     (``{"ContextWorker": {"num_replicas": 2}}``), for tests and benchmarks that serve in process."""
     config = AppConfig.model_validate(args or {})
+    if config.engine_in_ingress:
+        return EngineIngress.options(**ingress_options(config)).bind(config, WorkerStats.bind())
     max_ongoing = max(8, 2 * config.max_num_seqs)
     board = WorkerStats.bind()
 

@@ -218,13 +218,22 @@ class GenerationDeployment(WorkerReplica):
             yield update
 
 
-@serve.deployment(name="AggregatedWorker", **WORKER_OPTIONS)
-class AggregatedDeployment(WorkerReplica):
+class AggregatedReplica(WorkerReplica):
+    """An aggregated worker's replica: the AggregatedWorker deployment's, and the ingress's own when the
+    engine runs in the ingress (app.serve_app.EngineIngress)."""
+
     async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
         await super().__init__("aggregated", AggregatedWorker(config), board)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, hint: RoutingHint | None = None
     ) -> AsyncIterator[RequestUpdate]:
-        async for update in self._relay(request_id, self.worker.generate(request_id, prompt_token_ids, params)):
-            yield update
+        async with contextlib.aclosing(self._relay(request_id, self.worker.generate(request_id, prompt_token_ids,
+                                                                                    params))) as updates:
+            async for update in updates:
+                yield update
+
+
+@serve.deployment(name="AggregatedWorker", **WORKER_OPTIONS)
+class AggregatedDeployment(AggregatedReplica):
+    pass

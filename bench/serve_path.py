@@ -47,7 +47,10 @@ OVERRIDES = {"aggregated": AGGREGATED,  # the issue's aggregated run (torch_thre
              "disagg": {},
              # the same, its ingress calling the worker over Ray actor calls (AppConfig.handle_transport), for
              # an A/B of the worker -> ingress hop in one run: --modes aggregated,aggregated-ray
-             "aggregated-ray": {**AGGREGATED, "handle_transport": "ray"}}
+             "aggregated-ray": {**AGGREGATED, "handle_transport": "ray"},
+             # the engine in the ingress replica (AppConfig.engine_in_ingress): no worker -> ingress hop at all;
+             # --modes aggregated,aggregated-in-ingress A/Bs that hop in one run
+             "aggregated-in-ingress": {**AGGREGATED, "engine_in_ingress": True}}
 # (column, from stamp, to stamp): a token's hops, in path order
 HOPS = (("step", "step_start", "step_end"), ("loop wakeup", "step_end", "loop_get"),
         ("worker relay", "loop_get", "worker_yield"), ("worker->ingress", "worker_yield", "ingress_recv"),

@@ -178,7 +178,7 @@ def test_every_worker_and_engine_knob_is_reachable_from_the_args():
     app_fields = {f.name for f in dataclasses.fields(AppConfig)} - engine_fields - worker_fields
     assert app_fields == {"mode", "api_key", "max_queue", "served_model_name", "local_prefill_max_tokens",
                           "context_num_pages", "generation_num_pages", "context_eviction", "generation_eviction",
-                          "handle_transport"}
+                          "handle_transport", "engine_in_ingress"}
     assert {"claim_s", "transfer_timeout_s", "reserve_timeout_s", "torch_threads"} <= worker_fields
     assert {"drafter", "num_extra_kv_tokens", "seed"} <= engine_fields
     args = {"drafter": "none", "num_extra_kv_tokens": 3, "seed": 7, "claim_s": 9, "transfer_timeout_s": 11,
@@ -247,6 +247,7 @@ def test_disagg_configs_size_both_roles(path):
     ({"generation_num_pages": "many"}, "Input should be a valid integer"),
     ({"mode": "aggregated", "transport": "local", "generation_num_pages": 64},
      "generation_num_pages sizes a disagg role; mode 'aggregated' takes num_pages only"),
+    ({"engine_in_ingress": True}, "engine_in_ingress runs one aggregated engine in the ingress; mode 'disagg'"),
 ])
 def test_app_config_rejects_with_a_clear_error(args, message):
     with pytest.raises(ValidationError, match=re.escape(message)):
@@ -269,3 +270,12 @@ def test_serve_bounds_the_proxy_queue_only_when_max_queue_asks_for_admission():
     assert limited.name == unlimited.name == "Ingress"
     assert (limited.max_queued_requests, unlimited.max_queued_requests) == (INGRESS_MAX_QUEUED_REQUESTS, -1)
     assert limited.max_ongoing_requests == unlimited.max_ongoing_requests  # the admission limit is max_queue's
+
+
+def test_engine_in_ingress_builds_one_ingress_with_the_engine_and_no_worker_deployment():
+    app = build_app({"mode": "aggregated", "transport": "local", "engine_in_ingress": True, "max_queue": 4})
+    ingress = app._bound_deployment
+    assert ingress.name == "Ingress" and ingress.func_or_class.__name__ == "EngineIngress"
+    assert ingress.max_queued_requests == INGRESS_MAX_QUEUED_REQUESTS
+    config, board = ingress.init_args  # the config and the stats board: no worker deployment bound
+    assert config.engine_in_ingress and board._bound_deployment.name == "WorkerStats" and not ingress.init_kwargs

@@ -5,6 +5,7 @@ Two applications run side by side for the whole module:
     /disagg  ContextWorker + GenerationWorker over NIXL, n-gram drafts (no API key, no queue limit)
     /agg     AggregatedWorker without drafts, with an API key and max_queue=1, called over Ray actor
              calls (handle_transport "ray"; /disagg's ingress calls its workers over gRPC, the default)
+    /local   an aggregated engine in the ingress replica itself (engine_in_ingress), no worker deployment
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ PROMPTS = ["Hi", "The capital of France is", "abcabcabcabcabcabcabcabcabcabcabca
 def base_url() -> Iterator[str]:
     apps = {"disagg": build_app({**ENGINE, "mode": "disagg", "max_draft_len": MAX_DRAFT_LEN}),
             "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local", "api_key": API_KEY,
-                              "max_queue": 1, "handle_transport": "ray"})}
+                              "max_queue": 1, "handle_transport": "ray"}),
+            "local": build_app({**ENGINE, "mode": "aggregated", "transport": "local", "engine_in_ingress": True})}
     with serving(apps) as url:
         yield url
 
@@ -54,6 +56,11 @@ def disagg_url(base_url: str) -> str:
 @pytest.fixture(scope="module")
 def agg_url(base_url: str) -> str:
     return f"{base_url}/agg"
+
+
+@pytest.fixture(scope="module")
+def local_url(base_url: str) -> str:
+    return f"{base_url}/local"
 
 
 @pytest.fixture(scope="module")
@@ -335,3 +342,41 @@ def test_a_repeated_prompt_reports_cached_tokens_and_counts_hits(mode, client, a
     expected = (before[0] + 2 * num_prompt_tokens, before[1] + second.prompt_tokens_details.cached_tokens)
     assert wait_until(lambda: prefix_cache_tokens(url)[role] == expected, timeout_s=10), prefix_cache_tokens(url)
 
+
+
+def test_engine_in_ingress_serves_the_aggregated_tokens_with_no_worker_deployment(agg_client, local_url):
+    """/local's ingress is its own engine: the same greedy text as /agg's AggregatedWorker through the
+    official client (completions, streamed chat), and its app has no worker deployment to hop through."""
+    local = openai_client(local_url).with_options(timeout=60)
+    for prompt in PROMPTS:
+        ours = local.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY)
+        theirs = agg_client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **GREEDY)
+        assert ours.choices[0].text == theirs.choices[0].text, prompt
+        assert ours.usage.completion_tokens == 24
+    chunks = local.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, stream=True, **GREEDY)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    agg = agg_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **GREEDY)
+    assert streamed == agg.choices[0].message.content
+    deployments = serve.status().applications["local"].deployments
+    assert set(deployments) == {"Ingress", "WorkerStats"}
+    assert wait_until(lambda: pages_all_free(local_url), timeout_s=20)
+    (worker, role), = metric_samples(local_url, "windserve_kv_pages_in_use")
+    assert worker.startswith("Ingress#") and role == "aggregated"
+    assert httpx.get(f"{local_url}/health", timeout=10).status_code == 200
+
+
+def test_engine_in_ingress_disconnect_mid_stream_aborts_and_frees_its_pages(local_url):
+    assert wait_until(lambda: pages_all_free(local_url), timeout_s=20)
+    board = serve.get_deployment_handle("WorkerStats", app_name="local")
+    cancelled_before = settled_cancellations(board)["aggregated"]
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{local_url}/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert wait_until(lambda: pages_in_use(local_url, "aggregated") > 0, timeout_s=10)
+    assert wait_until(lambda: pages_all_free(local_url), timeout_s=20)
+    assert wait_until(lambda: settled_cancellations(board)["aggregated"] == cancelled_before + 1, timeout_s=30)
+    (entry,) = board.snapshot.remote().result()
+    assert entry["num_running"] == 0 and entry["num_free_pages"] == entry["num_total_pages"]
+    assert in_flight(local_url) == 0
