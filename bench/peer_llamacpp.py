@@ -10,6 +10,8 @@ the same weights (llama-quantize --allow-requantize ... F32). llama-server is bu
     llamacpp-f32            the same                                                  F32
     windserve-aggregated    configs/smollm2.yaml, mode aggregated, torch_threads 2    Q4_1 kept quantized
     windserve-disagg        configs/smollm2.yaml as is                                Q4_1 kept quantized
+    windserve-in-ingress    windserve-aggregated with engine_in_ingress: no worker replica between
+                            the engine and the HTTP response (app.local_backend)      Q4_1 kept quantized
 
 One server at a time (never two loading the CPU at once). Client: closed loop, ``c`` streaming chat
 requests in flight, distinct seeded random prompts of about 400 tokens (chat template included), 64 output
@@ -38,11 +40,14 @@ SYSTEMS = {  # --systems name: the table's label
     "llamacpp-f32": "llama.cpp f32",
     "windserve-aggregated": "windserve aggregated (Q4_1)",
     "windserve-disagg": "windserve disaggregated (Q4_1)",
+    "windserve-in-ingress": "windserve aggregated, engine in the ingress (Q4_1)",
 }
 CONFIG = os.path.join("configs", "smollm2.yaml")
 AGGREGATED = {"mode": "aggregated", "transport": "local", "torch_threads": 2, "context_num_pages": None,
               "generation_num_pages": None, "context_eviction": None, "generation_eviction": None,
               "local_prefill_max_tokens": 0}  # the disagg roles' own fields unset: aggregated refuses them
+WINDSERVE_OVERRIDES = {"windserve-aggregated": AGGREGATED,
+                       "windserve-in-ingress": {**AGGREGATED, "engine_in_ingress": True}}
 MODEL = "smollm2-135m-instruct"
 NUM_REQUESTS = {"full": {1: 16, 8: 64}, "quick": {1: 4, 8: 16}}  # per concurrency
 PROMPT_TOKENS, OUTPUT_TOKENS = 400, 64
@@ -142,7 +147,7 @@ def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args, attem
     """
     from ray.exceptions import ActorDiedError, RayTaskError
 
-    overrides = {system: AGGREGATED} if system == "windserve-aggregated" else None
+    overrides = {system: WINDSERVE_OVERRIDES[system]} if system in WINDSERVE_OVERRIDES else None
     for attempt in range(1, attempts + 1):
         try:
             with serving({system: CONFIG}, free_port(), args.max_seconds, overrides) as urls:
