@@ -12,6 +12,8 @@ own engine, app.local_backend) and the builder that binds them from one ``AppCon
 
 from __future__ import annotations
 
+import inspect
+
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve.handle import DeploymentHandle
@@ -112,8 +114,9 @@ class EngineIngress(AggregatedReplica):
         """The worker's shutdown (WorkerReplica's), then the ASGI wrapper's (Serve's, next in the MRO)."""
         await WorkerReplica.__del__(self)
         parent = getattr(super(WorkerReplica, self), "__del__", None)
-        if parent is not None:
-            await parent()
+        result = parent() if parent is not None else None
+        if inspect.isawaitable(result):
+            await result
 
 
 def ingress_api(backend, tokenizer: Tokenizer, config: AppConfig) -> ASGIApp:
@@ -156,7 +159,8 @@ def build_app(args: dict) -> serve.Application:
 
 def build_app_with(args: dict | None = None, worker_options: dict[str, dict] | None = None) -> serve.Application:
     """``build_app`` plus ``worker_options``: Serve options by worker deployment name
-    (``{"ContextWorker": {"num_replicas": 2}}``), for tests and benchmarks that serve in process."""
+    (``{"ContextWorker": {"num_replicas": 2}}``), for tests and benchmarks that serve in process; none
+    applies with ``engine_in_ingress`` (no worker deployment)."""
     config = AppConfig.model_validate(args or {})
     if config.engine_in_ingress:
         return EngineIngress.options(**ingress_options(config)).bind(config, WorkerStats.bind())
