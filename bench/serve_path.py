@@ -4,7 +4,9 @@
 
 1. The engine's own batch-1 decode step, in this process (``bench.quant_ab``'s engine: SmolLM2, its GGUF
    weights kept quantized), at 1 torch thread (a disaggregated generation worker's) and 2 (the
-   aggregated worker's here).
+   aggregated worker's here), over the contexts the served c = 1 requests decode at (a prompt of their
+   mean prompt tokens, then as many steps as they have output tokens). The report divides each served
+   ITL p50 by the 2-thread step: issue 29's "HTTP ITL within 1.2x of the engine's own step".
 2. Per-token costs measured in this process: the incremental detokenizer's ``push``, a one-token
    ``RequestUpdate``'s pickle round trip (what Ray does to every streamed item), one SSE chunk's JSON.
 3. configs/smollm2.yaml served in both modes at once (routes ``/aggregated`` and ``/disagg``, the
@@ -61,17 +63,28 @@ SIZES = {"full": dict(input_len=400, output_len=64, requests={1: 16, 8: 64}),
          "quick": dict(input_len=400, output_len=32, requests={1: 4, 8: 16})}
 
 
-def engine_step_ms(num_steps: int) -> dict[int, float]:
-    """Median batch-1 decode step (ms) of the quantized engine, by torch threads."""
-    from bench.quant_ab import PROMPT_LEN, make_engine, steps_of
+def engine_step_ms(num_steps: int, prompt_len: int) -> dict[int, float]:
+    """Median batch-1 decode step (ms) of the quantized engine, by torch threads: ``num_steps`` steps after
+    a ``prompt_len``-token prompt, the contexts the served c = 1 requests decode at."""
+    from bench.quant_ab import make_engine, steps_of
 
-    prompt = [random.Random(0).randrange(1000, 40000) for _ in range(PROMPT_LEN)]
-    engine, steps = make_engine("auto", PROMPT_LEN + 4 * (num_steps + 2)), {}
+    prompt = [random.Random(0).randrange(1000, 40000) for _ in range(prompt_len)]
+    engine, steps = make_engine("auto", prompt_len + 4 * (num_steps + 2)), {}
     for threads in (1, 2):
         with torch_threads(threads):
             steps_of(engine, prompt, 2, [threads])  # warm
             steps[threads] = median(steps_of(engine, prompt, num_steps, [10 + threads])[1]) * 1e3
     return steps
+
+
+def served_prompt_len(sizes: dict) -> int:
+    """The mean prompt tokens of the c = 1 requests (their random text, tokenized as the server does)."""
+    from engine.model_registry import resolve_model_path
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(resolve_model_path(MODEL))
+    trace = make_trace(sizes["requests"][1], sizes["input_len"], sizes["output_len"], spread=0.0, seed=1)
+    return round(sum(len(tokenizer.encode(spec.prompt)) for spec in trace) / len(trace))
 
 
 def micro_costs_us() -> dict[str, float]:
@@ -183,15 +196,22 @@ def print_report(engine_ms: dict[int, float], micro: dict[str, float], runs: dic
     print_table("engine's own batch-1 decode step (ms)", ["1 thread", "2 threads"], [[engine_ms[1], engine_ms[2]]])
     print_table("per-token costs (us)", list(micro), [list(micro.values())])
     names = [name for name, _, _ in HOPS] + ["engine idle"]
-    rows = [[run, s["summary"]["itl_ms"]["p50"], s["summary"]["output_throughput"],
-             *(s["hops_ms"][n]["p50"] for n in names), s["hops_ms"]["tokens per chunk"]["p50"]]
+    rows = [[run, s["summary"]["itl_ms"]["p50"], itl_over_step(s["summary"]["itl_ms"]["p50"], engine_ms[2]),
+             s["summary"]["output_throughput"], *(s["hops_ms"][n]["p50"] for n in names),
+             s["hops_ms"]["tokens per chunk"]["p50"]]
             for run, s in runs.items() if "summary" in s]
-    print_table("per token, p50 (ms)", ["run", "client ITL", "out tok/s", *names, "tokens/chunk"], rows)
+    print_table("per token, p50 (ms)", ["run", "client ITL", "ITL / engine step (2 threads)", "out tok/s", *names,
+                                        "tokens/chunk"], rows)
     for run, cpu in runs.items():
         if run.startswith("cpu ms per token"):
             print_table(f"{run} (ms; shared processes: over both modes' tokens)",
                         ["process", "CPU ms/token", "less idle"],
                         [[name, ms["all"], ms["less idle"]] for name, ms in cpu.items() if ms["all"] >= 0.05])
+
+
+def itl_over_step(itl_ms: float | None, step_ms: float | None) -> float | None:
+    """Issue 29's ratio: the served ITL p50 over the engine's own batch-1 step (target: at most 1.2)."""
+    return None if itl_ms is None or not step_ms else itl_ms / step_ms
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -210,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     sizes = SIZES["quick" if args.quick else "full"]
     modes = args.modes.split(",")
-    engine_ms = {1: None, 2: None} if args.no_engine_step else engine_step_ms(8 if args.quick else 32)
+    engine_ms = ({1: None, 2: None} if args.no_engine_step
+                 else engine_step_ms(sizes["output_len"], served_prompt_len(sizes)))
     micro = micro_costs_us()
     progress(f"engine step {engine_ms} ms; per-token costs {json.dumps(micro)}")
     os.environ["WINDSERVE_TRACE_PATH"] = "1"  # before Ray starts: its worker processes inherit it
