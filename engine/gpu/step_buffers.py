@@ -95,11 +95,19 @@ class StaticStepBuffers:
         self.host_views = _carve(self.host.numpy(), self.groups, t, r, m)
         self.views = _carve(self.flat, self.groups, t, r, m)
         self.num_tokens = self.num_requests = 0
+        self._copied: torch.cuda.Event | None = None  # the last upload's copy, on a GPU
         self.fill([])
         self.upload()
 
     def fill(self, requests: list[StepRequest]) -> int:
-        """Stage a step's requests (every other row padding) and return its padded size (0: empty step)."""
+        """Stage a step's requests (every other row padding) and return its padded size (0: empty step).
+
+        On a GPU it first waits for the last upload's copy to have read the staging tensor: a pinned copy
+        runs after ``upload`` returns, and restaging under it would send this step's values as the last
+        step's. (The step's one device-to-host read of its samples also waits for it; this does not lean
+        on that.)"""
+        if self._copied is not None:
+            self._copied.synchronize()
         views = self.host_views
         for name in _TOKEN_FIELDS:
             views[name].fill(_PADDING.get(name, 0))
@@ -117,6 +125,9 @@ class StaticStepBuffers:
     def upload(self) -> None:
         """The one host-to-device copy of a step (asynchronous from pinned memory on a GPU)."""
         self.flat.copy_(self.host, non_blocking=True)
+        if self.flat.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _stage(self, row: int, token: int, request: StepRequest) -> int:
         """Request ``request`` at ``row``, its tokens from ``token``; returns the next free token."""

@@ -82,3 +82,20 @@ def test_replayed_logits_equal_the_eager_static_and_plan_steps(arch):
     assert torch.equal(replayed.argmax(-1), expected.argmax(-1))
     for group in cache.kv:
         torch.testing.assert_close(cache.kv[group], plan.kv[group], rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_restaging_waits_for_the_last_upload_to_be_read():
+    """upload() copies from pinned memory asynchronously; fill() right after it (no sync between) must
+    not change what that copy sends. A large copy queued behind a busy stream makes the window wide."""
+    shape = StepShape(64, 256, 64, B, {"full": None})
+    buffers = StaticStepBuffers(shape, CUDA)
+    first = [StepRequest(f"r{i}", [i + 1], 10 + i, {"full": [8 * i + k for k in range(8)]}) for i in range(8)]
+    buffers.fill(first)
+    expected = buffers.host.clone()
+    busy = torch.randn(4096, 4096, device=CUDA)
+    for _ in range(20):
+        busy = busy @ busy / 64  # the stream is busy: the copy below waits behind these
+    buffers.upload()
+    buffers.fill([StepRequest("other", [99], 3, {"full": [5]})])  # must wait for the copy to read `first`
+    torch.cuda.synchronize()
+    assert torch.equal(buffers.flat.cpu(), expected)
