@@ -82,6 +82,10 @@ def test_replayed_logits_equal_the_eager_static_and_plan_steps(arch):
     assert torch.equal(replayed.argmax(-1), expected.argmax(-1))
     for group in cache.kv:
         torch.testing.assert_close(cache.kv[group], plan.kv[group], rtol=1e-4, atol=1e-5, equal_nan=True)
+    # every size's logits are rows of one tensor (graph_runner): the largest's, shared by all sizes
+    heads = {n: graphs.replay(n) for n in graphs.sizes}
+    assert {t.data_ptr() for t in heads.values()} == {heads[max(graphs.sizes)].data_ptr()}
+    assert all(t.shape[0] == n for n, t in heads.items())
 
 
 def test_restaging_waits_for_the_last_upload_to_be_read():
