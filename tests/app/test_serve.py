@@ -217,16 +217,21 @@ def settled_cancellations(board) -> dict[str, int]:
     raise AssertionError(f"the board's cancellation counts never settled: {now}")
 
 
+def leave_mid_stream(url: str, role: str) -> None:
+    """Open a long stream, read 5 lines, see ``role``'s pages in use, then drop the connection."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert wait_until(lambda: pages_in_use(url, role) > 0, timeout_s=10)
+
+
 def test_disconnect_mid_stream_aborts_and_frees_pages_on_both_workers(disagg_url):
     assert wait_until(lambda: pages_all_free(disagg_url), timeout_s=20)
     board = serve.get_deployment_handle("WorkerStats", app_name="disagg")
     cancelled_before = settled_cancellations(board)
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{disagg_url}/v1/completions", json=body, timeout=30) as reply:
-        lines = reply.iter_lines()
-        for _ in range(5):
-            next(lines)
-        assert wait_until(lambda: pages_in_use(disagg_url, "generation") > 0, timeout_s=10)
+    leave_mid_stream(disagg_url, "generation")
     assert wait_until(lambda: pages_all_free(disagg_url), timeout_s=20)
     assert wait_until(lambda: {e["role"]: e["num_cancelled"] for e in board.snapshot.remote().result()}
                       .get("generation", 0) > cancelled_before["generation"], timeout_s=10)
@@ -369,12 +374,7 @@ def test_engine_in_ingress_disconnect_mid_stream_aborts_and_frees_its_pages(loca
     assert wait_until(lambda: pages_all_free(local_url), timeout_s=20)
     board = serve.get_deployment_handle("WorkerStats", app_name="local")
     cancelled_before = settled_cancellations(board)["aggregated"]
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{local_url}/v1/completions", json=body, timeout=30) as reply:
-        lines = reply.iter_lines()
-        for _ in range(5):
-            next(lines)
-        assert wait_until(lambda: pages_in_use(local_url, "aggregated") > 0, timeout_s=10)
+    leave_mid_stream(local_url, "aggregated")
     assert wait_until(lambda: pages_all_free(local_url), timeout_s=20)
     assert wait_until(lambda: settled_cancellations(board)["aggregated"] == cancelled_before + 1, timeout_s=30)
     (entry,) = board.snapshot.remote().result()
