@@ -13,6 +13,7 @@ import math
 import os
 import sys
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -95,6 +96,35 @@ def test_running_server_is_stopped_on_the_way_out(tmp_path):
         assert wait_until(lambda: log.read_text().startswith("up"), timeout_s=60)  # its output goes to the log
         raise RuntimeError("the bench failed while the server ran")
     assert process.poll() is not None  # terminated, not left running
+
+
+FAKE_SERVER = """
+import http.server, sys
+if "--no-repack" not in sys.argv:
+    print("loading; dies as ggml's AMX kernels did", flush=True)
+    sys.exit(132)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_llama_server_that_dies_loading_starts_again_without_repacking(tmp_path):
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    binary.chmod(0o755)
+    with peer.healthy_llama_server(str(binary), "/m/q.gguf", 8, str(tmp_path)) as (url, command):
+        assert command[-1] == "--no-repack" and command[:-1] == llamacpp.server_command(
+            str(binary), "/m/q.gguf", 8, int(url.rsplit(":", 1)[1]), peer.CTX_PER_SLOT)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    died = (tmp_path / "llama_server_q.gguf_c8.log").read_text()
+    assert "dies as ggml's AMX kernels did" in died
+    assert (tmp_path / "llama_server_q.gguf_c8--no-repack.log").exists()
+    with pytest.raises(httpx.HTTPError):  # stopped on the way out
+        httpx.get(f"{url}/health", timeout=2)
 
 
 @settings(max_examples=30, deadline=None)
