@@ -53,6 +53,17 @@ def run_llama(command: list[str]) -> float:
     return llama_ms_per_token(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
 
 
+def working_command(command: list[str]) -> list[str]:
+    """``command``, or with ``--repack 0`` if it dies on a signal: ggml's AMX kernels (Q4_1's only repacked
+    path) died with SIGILL on the 2-core Intel VM of 2026-12-05 (bench.peer_llamacpp.healthy_llama_server)."""
+    probe = [*command[:command.index("-n") + 2], "-r", "1"]
+    probe[probe.index("-n") + 1] = "1"
+    if subprocess.run(probe, capture_output=True).returncode >= 0:
+        return command
+    progress("llama-bench died on a signal; running it with --repack 0")
+    return [*command, "--repack", "0"]
+
+
 def windserve_steps(num_tokens: int):
     """A callable: one request (DEPTH-token prompt, then ``num_tokens`` decode steps); its median step in ms."""
     from bench.quant_ab import make_engine, steps_of
@@ -75,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for threads in (int(t) for t in args.threads.split(",")):
         command = llama_bench_command(binary, model, threads, num_tokens, DEPTH, 1 if args.quick else 3)
+        command = working_command(command)
         progress(f"{threads} thread(s): {reps} reps, llama-bench and windserve alternated")
         with torch_threads(threads):
             ours()  # warm: the first request pays one-time costs

@@ -23,6 +23,7 @@ from kvcache.pool import EVICTION_POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("auto", "none")  # auto: GGUF weights as the file stores them; none: dequantized at load
+PREFILL_DTYPES = ("float32", "bfloat16", "auto")
 
 
 def resolve_device(device: str) -> str:
@@ -78,6 +79,11 @@ class EngineConfig:
     ``quantization`` ``"auto"`` keeps a GGUF file's Q8_0 / Q4_0 / Q4_1 weights in their
     blocks (float32 activations on the CPU; engine.models.quantized); ``"none"``
     dequantizes every weight to ``dtype`` at load. Other models ignore it.
+    ``prefill_dtype``: the dtype of those quantized weights' matmuls in steps of more than 8 rows
+    (prefills, and the decode rows that share a step with one): ``"float32"`` (the float32 model's
+    results up to summation order), ``"bfloat16"`` (activations, weight tiles and outputs rounded to bf16;
+    oneDNN's AMX GEMM, ~6x float32's on an AMX CPU), ``"auto"`` (bfloat16 where the CPU has native bf16,
+    ``cpu_has_bf16``). Steps of up to 8 rows (decode) stay float32 whatever it says.
     ``eviction`` orders the evictable cached pages (kvcache.pool): ``"lru"``, or ``"keep-hot"``
     (pages never hit are evicted before those that served a hit; resists a cyclic working set).
     ``use_static_buffers`` runs decode and verify steps over fixed buffers with device sampling
@@ -100,6 +106,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction: str = "lru"
     quantization: str = "auto"
+    prefill_dtype: str = "float32"
     use_static_buffers: bool | None = None
     enforce_eager: bool = False
 
@@ -108,6 +115,8 @@ class EngineConfig:
             raise ValueError("model must be non-empty")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.prefill_dtype not in PREFILL_DTYPES:
+            raise ValueError(f"prefill_dtype must be one of {list(PREFILL_DTYPES)}, got {self.prefill_dtype!r}")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {list(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.dtype not in (*DTYPES, "auto"):
@@ -123,6 +132,13 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.device)
+
+    @property
+    def prefill_torch_dtype(self) -> torch.dtype:
+        """``prefill_dtype`` resolved: what quantized weights' many-row matmuls run in."""
+        if self.prefill_dtype == "auto":
+            return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        return DTYPES[self.prefill_dtype]
 
 
 def max_model_len(config: EngineConfig, max_position_embeddings: int, *, draft_len: int = 0,

@@ -125,11 +125,12 @@ def load_weights(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> No
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               gguf_path: str | None = None) -> nn.Module:
+               gguf_path: str | None = None, prefill_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Build the engine's model for the directory's architecture and load its weights, in eval mode,
     each layer's q/k/v fused into one matmul, float32 CPU weights packed for oneDNN (engine.models.packed).
     With ``gguf_path`` (the file ``path`` was converted from; float32 on the CPU only), the weights the file
-    stores quantized stay in its blocks (engine.models.quantized) and are neither fused dense nor packed."""
+    stores quantized stay in its blocks (engine.models.quantized) and are neither fused dense nor packed;
+    ``prefill_dtype`` is their many-row matmuls' dtype."""
     from engine.models import build_model  # engine.models imports this module: import at call time
     from engine.models.decoder import fuse_projections
     from engine.models.packed import pack_for_cpu
@@ -138,5 +139,5 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     model = build_model(load_config(path), dtype=dtype, device=device)
     load_weights(model, load_state_dict(path))
     if gguf_path is not None:
-        quantize_gguf_weights(model, gguf_path)
+        quantize_gguf_weights(model, gguf_path, prefill_dtype)
     return pack_for_cpu(fuse_projections(model.eval()))

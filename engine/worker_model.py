@@ -32,7 +32,8 @@ class WorkerModel:
     def load(cls, config: EngineConfig) -> WorkerModel:
         path = resolve_model_path(config.model)
         device = resolve_device(config.device)
-        module = load_model(path, dtype=config.torch_dtype, device=device, gguf_path=quantized_source(config))
+        module = load_model(path, dtype=config.torch_dtype, device=device, gguf_path=quantized_source(config),
+                            prefill_dtype=config.prefill_torch_dtype)
         return cls(config.model, path, module, Tokenizer(path), load_config(path), device, config.torch_dtype)
 
     @property

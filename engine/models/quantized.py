@@ -6,9 +6,14 @@ A decode step streams every weight once; in Q4_1 that is 5 bits a weight instead
     rows of x   path                                                        (engine/native)
     <= 8        each block widened to float32 in registers, dotted with x   quant_linear (quant_gemv.cpp)
     > 8         tiles of ~256 K weights dequantized, then torch's GEMM      quant_matmul (quant.cpp)
+                in ``prefill_dtype``
 
 Activations are never quantized: the result equals the dequantized float32 model's up to float32
-rounding, and a row's result does not depend on the other rows of its batch (up to 8 rows).
+rounding, and a row's result does not depend on the other rows of its batch (up to 8 rows). With
+``prefill_dtype`` bfloat16 (EngineConfig's ``prefill_dtype``), steps of more than 8 rows round x and the
+weight tiles to bf16 and the GEMM's output too (oneDNN's AMX kernel where the CPU has one: ~6x float32's
+GEMM on the 2-core Intel box, bench/README): prefills are faster, and their K/V, logits and first tokens
+are those of a bf16 matmul, no longer the float32 model's.
 
 ``quantize_gguf_weights`` swaps a loaded model's ``nn.Linear`` / ``nn.Embedding`` modules for
 ``QuantizedLinear`` / ``QuantizedEmbedding`` holding the file's blocks, where the file stores that
@@ -37,6 +42,8 @@ BLOCK_SIZE = 32
 # Weights dequantized per tile of a prefill's GEMM (1 MiB of float32; SmolLM2's [1536, 576] matmul of
 # 400 rows measured 9-10 ms at tiles of 128-1536 rows, the float32 weight's own GEMM 9.4 ms).
 PREFILL_TILE_WEIGHTS = 1 << 18
+# in bf16 (2 MiB): a 400-token SmolLM2 prefill took 212 ms against 255 at 1 << 18 (fewer, larger AMX GEMMs)
+PREFILL_TILE_WEIGHTS_BF16 = 1 << 20
 NUM_CHECKED_ROWS = 3  # rows of each tensor compared with the dequantized weights at load
 
 
@@ -50,11 +57,13 @@ class QuantizedWeight:
     dtype = torch.float32  # what its matmuls produce (the model's compute dtype)
     device = torch.device("cpu")
 
-    def __init__(self, blocks: torch.Tensor, kind: int) -> None:
+    def __init__(self, blocks: torch.Tensor, kind: int, prefill_dtype: torch.dtype = torch.float32) -> None:
         if kind not in BLOCK_BYTES or blocks.dtype != torch.uint8 or blocks.dim() != 2 \
                 or blocks.shape[1] % BLOCK_BYTES[kind]:
             raise ValueError(f"not {KIND_NAMES.get(kind, kind)} blocks: {blocks.dtype} {tuple(blocks.shape)}")
-        self.blocks, self.kind = blocks, kind
+        if prefill_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"prefill_dtype must be float32 or bfloat16, got {prefill_dtype}")
+        self.blocks, self.kind, self.prefill_dtype = blocks, kind, prefill_dtype
         self.shape = torch.Size((blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind] * BLOCK_SIZE))
 
     @property
@@ -65,8 +74,9 @@ class QuantizedWeight:
         """``x @ W.T + bias`` for float32 x [N, in]: the few-row kernel when ``is_few_rows``."""
         if is_few_rows:
             return quant_linear_kernel()(x.contiguous(), self.blocks, self.kind, bias)
-        tile = max(1, PREFILL_TILE_WEIGHTS // self.shape[1])
-        return quant_matmul_kernel()(x, self.blocks, self.kind, bias, tile)
+        bf16 = self.prefill_dtype == torch.bfloat16
+        tile = max(1, (PREFILL_TILE_WEIGHTS_BF16 if bf16 else PREFILL_TILE_WEIGHTS) // self.shape[1])
+        return quant_matmul_kernel()(x, self.blocks, self.kind, bias, tile, bf16)
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` (int64 [n]) dequantized: float32 [n, in]."""
@@ -77,11 +87,15 @@ class QuantizedWeight:
 
     def split(self, sizes: list[int]) -> list[QuantizedWeight]:
         """Views of consecutive row ranges (no copy)."""
-        return [QuantizedWeight(part, self.kind) for part in self.blocks.split(sizes)]
+        return [QuantizedWeight(part, self.kind, self.prefill_dtype) for part in self.blocks.split(sizes)]
 
     @staticmethod
     def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
-        return QuantizedWeight(huge_page_copy(torch.cat([w.blocks for w in weights])), weights[0].kind)
+        kinds = {(w.kind, w.prefill_dtype) for w in weights}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot concatenate weights of different kinds or prefill dtypes: "
+                             f"{sorted(map(str, kinds))}")
+        return QuantizedWeight(huge_page_copy(torch.cat([w.blocks for w in weights])), *kinds.pop())
 
 
 class QuantizedLinear(nn.Module):
@@ -122,11 +136,12 @@ def hf_row_order(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
     return blocks.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(blocks.shape)
 
 
-def quantize_gguf_weights(model: nn.Module, gguf_path: str) -> int:
+def quantize_gguf_weights(model: nn.Module, gguf_path: str, prefill_dtype: torch.dtype = torch.float32) -> int:
     """Swap ``model``'s linears and embedding for quantized ones holding ``gguf_path``'s blocks, where the
     file stores the weight as Q8_0, Q4_0 or Q4_1; the number swapped. ``model`` holds the same weights
     dequantized (loaded from engine.gguf's converted folder): a few rows of each are compared, so a file
-    that does not match the model fails here instead of generating garbage."""
+    that does not match the model fails here instead of generating garbage. ``prefill_dtype``: the dtype of
+    their many-row matmuls (``QuantizedWeight``)."""
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
@@ -143,7 +158,7 @@ def quantize_gguf_weights(model: nn.Module, gguf_path: str) -> int:
             tensor = tensors.get(names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or "")
             if tensor is None or int(tensor.tensor_type) not in BLOCK_BYTES:
                 continue
-            weight = _weight_of(tensor, name, architecture, config)
+            weight = _weight_of(tensor, name, architecture, config, prefill_dtype)
             _check_matches(weight, child.weight, name, gguf_path)
             swapped = QuantizedEmbedding(weight) if type(child) is nn.Embedding else QuantizedLinear(child, weight)
             setattr(parent, child_name, swapped)
@@ -152,13 +167,13 @@ def quantize_gguf_weights(model: nn.Module, gguf_path: str) -> int:
     return num_swapped
 
 
-def _weight_of(tensor, name: str, architecture: str, config) -> QuantizedWeight:
+def _weight_of(tensor, name: str, architecture: str, config, prefill_dtype: torch.dtype) -> QuantizedWeight:
     blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # a copy: the file is mapped read-only
     blocks = blocks.reshape(int(tensor.shape[-1]), -1)  # GGUF's shape is [in, out], a row per output
     if architecture == "llama" and name.endswith((".q_proj", ".k_proj")):
         heads = config.num_attention_heads if name.endswith(".q_proj") else config.num_key_value_heads
         blocks = hf_row_order(blocks, heads)
-    return QuantizedWeight(huge_page_copy(blocks), int(tensor.tensor_type))
+    return QuantizedWeight(huge_page_copy(blocks), int(tensor.tensor_type), prefill_dtype)
 
 
 def _check_matches(weight: QuantizedWeight, dense: torch.Tensor, name: str, path: str) -> None:

@@ -153,8 +153,8 @@ def quant_linear_kernel():
 
 
 def quant_matmul_kernel():
-    """``quant_matmul(x, blocks, kind, bias, tile_rows) -> x @ W.T + bias``, W dequantized a tile of rows at a
-    time (quant.cpp), or None."""
+    """``quant_matmul(x, blocks, kind, bias, tile_rows, bf16) -> x @ W.T + bias``, W dequantized a tile of rows
+    at a time and multiplied in float32, or in bfloat16 with ``bf16`` (quant.cpp), or None."""
     return _kernel("quant_matmul")
 
 

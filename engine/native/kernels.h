@@ -36,7 +36,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t k
 at::Tensor quant_rows(const at::Tensor& blocks, int64_t kind, const at::Tensor& index);
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                        const c10::optional<at::Tensor>& bias, int64_t tile_rows);
+                        const c10::optional<at::Tensor>& bias, int64_t tile_rows, bool bf16);
 
 // How parallel_chunks' helpers wait between jobs (work_pool.cpp): true for decode-only steps (yield the
 // core to other processes), false for prefill and mixed steps (pause, then sleep).

@@ -9,8 +9,10 @@
 // Few rows: quant_gemv.cpp.
 //
 // Many rows (``quant_matmul``, a prefill): tiles of output rows are dequantized into a float32 buffer
-// and multiplied by torch's GEMM, one tile at a time.
+// and multiplied by torch's GEMM, one tile at a time: in float32, or (``bf16``) in bfloat16.
 #include <ATen/Parallel.h>
+
+#include <vector>
 
 #include "kernels.h"
 #include "quant_blocks.h"
@@ -130,7 +132,7 @@ at::Tensor quant_rows(const at::Tensor& blocks, int64_t kind, const at::Tensor& 
 }
 
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
-                        const c10::optional<at::Tensor>& bias, int64_t tile_rows) {
+                        const c10::optional<at::Tensor>& bias, int64_t tile_rows, bool bf16) {
   const int64_t in = windserve::check_quant_blocks(blocks, kind, "quant_matmul");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.size(1) == in,
               "quant_matmul: a float32 CPU x [N, in] with in = ", in);
@@ -138,19 +140,37 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t k
   const int64_t out = blocks.size(0), row_bytes = blocks.size(1);
   windserve::optional_bias(bias, out, "quant_matmul");
   at::Tensor y = at::empty({x.size(0), out}, x.options());
-  at::Tensor tile = at::empty({std::min(tile_rows, out), in}, x.options());
+  // bf16: x and each tile's weights rounded to bf16 (to nearest even), their products summed in float32 by
+  // torch's bf16 GEMM (oneDNN: AMX or AVX512-BF16), its output rounded to bf16, the bias added in float32.
+  // A row is dequantized to float32 in a buffer that stays in L1, then rounded into the bf16 tile.
+  const at::Tensor xs = bf16 ? x.to(at::kBFloat16) : x;
+  at::Tensor tile = at::empty({std::min(tile_rows, out), in}, xs.options());
   const uint8_t* data = blocks.data_ptr<uint8_t>();
   for (int64_t first = 0; first < out; first += tile_rows) {
     const int64_t n = std::min(tile_rows, out - first);
-    float* ws = tile.data_ptr<float>();
     at::parallel_for(first, first + n, std::max<int64_t>(1, 16384 / in), [&](int64_t lo, int64_t hi) {
-      for (int64_t o = lo; o < hi; ++o) dequantize_row(kind, data + o * row_bytes, in, ws + (o - first) * in);
+      if (!bf16) {
+        float* ws = tile.data_ptr<float>();
+        for (int64_t o = lo; o < hi; ++o) dequantize_row(kind, data + o * row_bytes, in, ws + (o - first) * in);
+        return;
+      }
+      std::vector<float> row(static_cast<size_t>(in));
+      c10::BFloat16* ws = tile.data_ptr<c10::BFloat16>();
+      for (int64_t o = lo; o < hi; ++o) {
+        dequantize_row(kind, data + o * row_bytes, in, row.data());
+        c10::BFloat16* w = ws + (o - first) * in;
+        for (int64_t j = 0; j < in; ++j) w[j] = c10::BFloat16(row[j]);
+      }
     });
     at::Tensor part = y.narrow(1, first, n);
-    if (bias.has_value() && bias->defined()) {
-      part.copy_(at::addmm(bias->narrow(0, first, n), x, tile.narrow(0, 0, n).t()));
+    const at::Tensor w = tile.narrow(0, 0, n);
+    if (bf16) {
+      part.copy_(at::mm(xs, w.t()));
+      if (bias.has_value() && bias->defined()) part.add_(bias->narrow(0, first, n));
+    } else if (bias.has_value() && bias->defined()) {
+      part.copy_(at::addmm(bias->narrow(0, first, n), x, w.t()));
     } else {
-      part.copy_(at::mm(x, tile.narrow(0, 0, n).t()));
+      part.copy_(at::mm(x, w.t()));
     }
   }
   return y;

@@ -4,6 +4,7 @@ needs a llama.cpp build, ~10 min: run by hand, figures in bench/README)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -28,3 +29,19 @@ def test_a_report_of_several_tests_is_refused():
     one = {"n_gen": 16, "avg_ns": 1}
     with pytest.raises(ValueError):
         llama_engine.llama_ms_per_token(json.dumps([one, one]))
+
+
+def test_a_llama_bench_that_dies_on_a_signal_runs_without_repacking(tmp_path):
+    """As ggml's AMX kernels did on an Intel VM (SIGILL): the command gains --repack 0; one that runs keeps its
+    command."""
+    dies = tmp_path / "dies"
+    dies.write_text(f"#!{sys.executable}\nimport os, signal, sys\n"
+                    "if sys.argv[-2:] != ['--repack', '0']: os.kill(os.getpid(), signal.SIGILL)\n")
+    runs = tmp_path / "runs"
+    runs.write_text(f"#!{sys.executable}\n")
+    for binary in (dies, runs):
+        binary.chmod(0o755)
+    command = llama_engine.llama_bench_command(str(dies), "/m/q.gguf", threads=2, num_tokens=64, depth=400, reps=3)
+    assert llama_engine.working_command(command) == [*command, "--repack", "0"]
+    command = llama_engine.llama_bench_command(str(runs), "/m/q.gguf", threads=2, num_tokens=64, depth=400, reps=3)
+    assert llama_engine.working_command(command) == command

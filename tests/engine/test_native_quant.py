@@ -69,8 +69,28 @@ def test_tiled_matmul_and_rows_equal_the_dequantized_weights(kernels, rows, out_
     assert torch.equal(dequantize(blocks, int(kind), index), weight[index])
     x = torch.randn(rows, 32 * in_blocks, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
-    y = matmul(x, blocks, int(kind), b, tile_rows)
+    y = matmul(x, blocks, int(kind), b, tile_rows, False)
     torch.testing.assert_close(y.double(), reference(x, weight, b), rtol=1e-5, atol=2e-6 * 32 * in_blocks)
+
+
+@settings(max_examples=30, deadline=None)
+@given(**shapes, tile_rows=st.integers(1, 64))
+def test_bf16_tiled_matmul_is_the_bf16_product_of_the_dequantized_weights(kernels, rows, out_features, in_blocks,
+                                                                          kind, bias, seed, tile_rows):
+    """``bf16``: x and the dequantized weights rounded to bf16, their products summed in float32, the sum
+    rounded to bf16, then the float32 bias: every output within one bf16 rounding of the float64 product of
+    the rounded operands, and (without a bias) itself a bf16 value, so the bf16 path is the one taken."""
+    _, matmul, _ = kernels
+    gen = torch.Generator().manual_seed(seed)
+    blocks, weight = quantized(out_features, 32 * in_blocks, kind, gen)
+    x = torch.randn(rows, 32 * in_blocks, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    y = matmul(x, blocks, int(kind), b, tile_rows, True)
+    product = reference(x.bfloat16().float(), weight.bfloat16().float(), None)
+    got = y.double() - (0 if b is None else b.double())
+    torch.testing.assert_close(got, product, rtol=2 ** -8, atol=1e-5 * 32 * in_blocks)
+    if b is None:
+        assert torch.equal(y.bfloat16().float(), y)
 
 
 @settings(max_examples=40, deadline=None)
@@ -87,7 +107,7 @@ def test_nan_and_inf_in_activations_stay_in_their_row(kernels, kind, rows, in_bl
     bad_row, bad_col = seed % rows, seed % (32 * in_blocks)
     x[bad_row, bad_col] = value
     want = reference(x, weight, None)
-    for y in (linear(x, blocks, int(kind), None), matmul(x, blocks, int(kind), None, 16)):
+    for y in (linear(x, blocks, int(kind), None), matmul(x, blocks, int(kind), None, 16, False)):
         assert torch.equal(y.isfinite(), want.isfinite())
         assert y[want.isnan()].isnan().all()
         if kind != GGMLQuantizationType.Q4_1:
@@ -106,7 +126,7 @@ def test_bad_inputs_are_refused(kernels):
     with pytest.raises(RuntimeError, match="not whole blocks of 34"):
         linear(torch.ones(2, 64), blocks, 8, None)
     with pytest.raises(RuntimeError, match="bias"):
-        matmul(torch.ones(2, 64), blocks, 3, torch.ones(5), 2)
+        matmul(torch.ones(2, 64), blocks, 3, torch.ones(5), 2, False)
     with pytest.raises(RuntimeError, match="out of range"):
         dequantize(blocks, 3, torch.tensor([4]))
 
@@ -123,6 +143,23 @@ def test_linear_sends_a_quantized_weight_to_its_kernels(kernels, rows):
     torch.testing.assert_close(y.double(), reference(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])
+def test_a_bf16_prefill_weight_rounds_only_its_many_row_matmuls(kernels, rows):
+    """prefill_dtype bfloat16: up to NATIVE_MAX_ROWS rows the float32 few-row kernel, bit for bit; more
+    rows the tiled GEMM in bf16, within bf16 rounding of the float32 result."""
+    blocks, weight = quantized(300, 96, GGMLQuantizationType.Q4_1, torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, 96)
+    y = packed.linear(x, QuantizedWeight(blocks, int(GGMLQuantizationType.Q4_1), torch.bfloat16), None, None)
+    few = kernels[0](x, blocks, 3, None)
+    if rows <= packed.NATIVE_MAX_ROWS:
+        assert torch.equal(y, few)
+    else:
+        assert torch.equal(y.bfloat16().float(), y) and not torch.equal(y, few)
+        torch.testing.assert_close(y, few, rtol=2e-2, atol=2e-2 * 96 ** 0.5)  # |y| ~ sqrt(in)
+    with pytest.raises(ValueError, match="prefill_dtype must be float32 or bfloat16"):
+        QuantizedWeight(blocks, int(GGMLQuantizationType.Q4_1), torch.float16)
+
+
 def test_quantized_weight_rows_split_and_cat(kernels):
     blocks, weight = quantized(70, 64, GGMLQuantizationType.Q8_0, torch.Generator().manual_seed(1))
     qw = QuantizedWeight(blocks, int(GGMLQuantizationType.Q8_0))
@@ -134,6 +171,11 @@ def test_quantized_weight_rows_split_and_cat(kernels):
                                                                                  weight[:30]]))
     with pytest.raises(ValueError, match="not Q4_0 blocks"):
         QuantizedWeight(blocks, int(GGMLQuantizationType.Q4_0))
+    bf16_parts = QuantizedWeight(blocks, int(GGMLQuantizationType.Q8_0), torch.bfloat16).split([30, 40])
+    assert [p.prefill_dtype for p in bf16_parts] == [torch.bfloat16] * 2
+    assert QuantizedWeight.cat(bf16_parts).prefill_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="different kinds or prefill dtypes"):
+        QuantizedWeight.cat([parts[0], bf16_parts[1]])
     assert np.isclose(qw.nbytes / weight.numel(), 34 / 32)
 
 
