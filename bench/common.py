@@ -106,8 +106,22 @@ def ratio(numerator: float, denominator: float) -> float:
     return float("nan") if denominator == 0 else numerator / denominator
 
 
+def cpu_model() -> dict:
+    """The CPU's model name and the flags that decide our kernels (benches ran on AMD and on Intel boxes)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    field = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip() for line in lines if ":" in line}
+    flags = set(field.get("flags", "").split())
+    return {"cpu_model": field.get("model name"), "vendor": field.get("vendor_id"),
+            "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"})}
+
+
 def machine_info() -> dict:
     return {
+        **cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
