@@ -138,8 +138,9 @@ def run_llamacpp(binary: str, model_path: str, traces: dict[int, list[RequestSpe
 def healthy_llama_server(binary: str, model_path: str, c: int, log_dir: str):
     """(url, command) of a healthy llama-server with ``c`` slots. One that dies while loading is started
     again with ``--no-repack``: on the 2-core Intel VM of 2026-12-05 (AMX advertised), ggml's AMX kernels,
-    which only run on weights repacked for them, died with SIGILL at the first ``tilezero`` (oneDNN's AMX
-    kernels run there); without repacking, llama.cpp runs its AVX-512 kernels on the file's blocks."""
+    which only run on weights repacked for them, died at the first ``tilezero`` (SIGILL, in a later start
+    SIGSEGV; oneDNN's AMX kernels run there); without repacking, llama.cpp runs its AVX-512 kernels on the
+    file's blocks (for Q4_1, AMX is llama.cpp's only repacked path)."""
     from bench.llamacpp import running_server, server_command
 
     for extra in ((), ("--no-repack",)):

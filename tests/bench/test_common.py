@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import ray
 import torch
@@ -86,3 +88,19 @@ def test_build_gptoss_model_is_seeded_and_leaves_the_global_rng_alone(tmp_path):
     assert torch.equal(torch.rand(3), expected_next)  # the caller's random stream continues where it was
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # seed 0 both times
+
+
+def test_machine_info_names_the_cpu_and_the_flags_that_pick_kernels(tmp_path, monkeypatch):
+    """The CPU's model and, of its flags, those our kernels and oneDNN choose by (AVX2, AVX-512, bf16, AMX)."""
+    import builtins
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("vendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+                       "flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile amx_bf16\n")
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path,
+                                                                          *a, **k))
+    info = common.machine_info()
+    assert info["cpu_model"] == "Intel(R) Xeon(R) Processor" and info["vendor"] == "GenuineIntel"
+    assert info["cpu_flags"] == ["amx_bf16", "avx2", "avx512_bf16", "avx512f"]
+    assert info["cpu_count"] == os.cpu_count()
