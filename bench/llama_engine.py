@@ -56,8 +56,8 @@ def run_llama(command: list[str]) -> float:
 def working_command(command: list[str]) -> list[str]:
     """``command``, or with ``--repack 0`` if it dies on a signal: ggml's AMX kernels (Q4_1's only repacked
     path) died with SIGILL on the 2-core Intel VM of 2026-12-05 (bench.peer_llamacpp.healthy_llama_server)."""
-    probe = [*command[:command.index("-n") + 2], "-r", "1"]
-    probe[probe.index("-n") + 1] = "1"
+    probe = list(command)  # the same run, one token and one rep: the depth's prefill is what died
+    probe[probe.index("-n") + 1] = probe[probe.index("-r") + 1] = "1"
     if subprocess.run(probe, capture_output=True).returncode >= 0:
         return command
     progress("llama-bench died on a signal; running it with --repack 0")
