@@ -21,6 +21,7 @@ callers keep their torch path.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -29,6 +30,7 @@ import os
 import platform
 import shutil
 import subprocess
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +75,49 @@ def _ninja_version() -> str:
         return ninja
 
 
+STALE_LOCK_S = 60.0
+
+
+def clear_stale_lock(build_directory: str, min_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build folder's ``lock`` if a killed build left it: older than ``min_age_s`` while no
+    process works in the folder (torch runs ninja there for the whole compile). torch's builder waits on
+    that lock for ever, so one ``serve run`` stopped during its first build hung every later start
+    (seen in session 21). True when a lock was removed."""
+    lock = os.path.join(build_directory, "lock")
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except OSError:
+        return False
+    if age < min_age_s or _someone_works_in(build_directory):
+        return False
+    logger.warning("removing %s, %.0f s old with no build running in its folder (a killed build's)", lock, age)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(lock)
+    return True
+
+
+def _someone_works_in(folder: str) -> bool:
+    """Whether a live process has ``folder`` as its working directory (Linux's /proc; elsewhere: assume so)."""
+    if not os.path.isdir("/proc"):
+        return True
+    real = os.path.realpath(folder)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/cwd") == real:
+                return True
+    return False
+
+
 @functools.cache
 def _module():
     if os.environ.get("WINDSERVE_NATIVE", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        return load(name=f"windserve_native_{_build_tag()}",
+        name = f"windserve_native_{_build_tag()}"
+        clear_stale_lock(_get_build_directory(name, verbose=False))
+        return load(name=name,
                     sources=sorted(glob.glob(os.path.join(_HERE, "*.cpp"))),
                     extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, verbose=False)
     except Exception as error:  # noqa: BLE001 - any build failure means: keep the torch paths
