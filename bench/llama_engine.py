@@ -55,7 +55,7 @@ def run_llama(command: list[str]) -> float:
 
 def working_command(command: list[str]) -> list[str]:
     """``command``, or with ``--repack 0`` if it dies on a signal: ggml's AMX kernels (Q4_1's only repacked
-    path) died with SIGILL on the 2-core Intel VM of 2026-12-05 (bench.peer_llamacpp.healthy_llama_server)."""
+    path) died with SIGILL on the 2-core Intel VM of 2026-12-05 (bench.llamacpp.healthy_llama_server)."""
     probe = list(command)  # the same run, one token and one rep: the depth's prefill is what died
     probe[probe.index("-n") + 1] = probe[probe.index("-r") + 1] = "1"
     if subprocess.run(probe, capture_output=True).returncode >= 0:

@@ -19,10 +19,13 @@ import contextlib
 import glob
 import os
 import re
+import socket
 import subprocess
 import sys
 import tarfile
 import time
+
+import httpx
 
 from bench.common import progress
 
@@ -168,3 +171,42 @@ def running_server(command: list[str], log_path: str):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def healthy_llama_server(binary: str, model_path: str, c: int, num_ctx_per_slot: int, log_dir: str):
+    """(url, command) of a healthy llama-server with ``c`` slots. One that dies while loading is started
+    again with ``--no-repack``: on the 2-core Intel VM of 2026-12-05 (AMX advertised), ggml's AMX kernels,
+    which only run on weights repacked for them, died at the first ``tilezero`` (SIGILL, in a later start
+    SIGSEGV; oneDNN's AMX kernels run there); without repacking, llama.cpp runs its AVX-512 kernels on the
+    file's blocks (for Q4_1, AMX is llama.cpp's only repacked path)."""
+    for extra in ((), ("--no-repack",)):
+        port = free_port()
+        command = [*server_command(binary, model_path, c, port, num_ctx_per_slot), *extra]
+        name = f"llama_server_{os.path.basename(model_path)}_c{c}{''.join(extra)}.log"
+        with running_server(command, os.path.join(log_dir, name)) as process:
+            url = f"http://127.0.0.1:{port}"
+            if wait_healthy_or_exit(url, process, timeout_s=300):
+                yield url, command
+                return
+        progress(f"llama-server exited while loading (exit status {process.returncode}, log {name})")
+    raise RuntimeError(f"llama-server did not start for c={c}, with or without --no-repack: see {log_dir}")
+
+
+def wait_healthy_or_exit(url: str, process, timeout_s: float) -> bool:
+    """True once ``url``/health answers 200; False if ``process`` exits first; TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return True
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health not 200 within {timeout_s:.0f}s")

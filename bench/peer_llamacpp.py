@@ -25,15 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import random
-import socket
-import time
-
-import httpx
 
 from bench.common import print_table, progress, ratio, write_json
+from bench.llamacpp import free_port, healthy_llama_server
 from bench.serve.client import RequestResult, run_load
 from bench.serve.compare import serving
 from bench.serve.stats import summarize
@@ -110,12 +106,6 @@ def make_traces(num_requests: dict[int, int], num_chars: int, seed: int) -> dict
             for c, n in num_requests.items()}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 Runs = dict[int, tuple[list[RequestResult], float]]
 
 
@@ -125,48 +115,13 @@ def run_llamacpp(binary: str, model_path: str, traces: dict[int, list[RequestSpe
     os.makedirs(log_dir, exist_ok=True)
     runs, commands = {}, []
     for c, trace in traces.items():
-        with healthy_llama_server(binary, model_path, c, log_dir) as (url, command):
+        with healthy_llama_server(binary, model_path, c, CTX_PER_SLOT, log_dir) as (url, command):
             commands.append(command)
             warmup = make_trace(NUM_WARMUP, 200, 8, spread=0.0, seed=args.seed + 99)
             asyncio.run(run_load(f"{url}/v1", MODEL, warmup, 1, args.max_seconds, chat=True, keepalive=False))
             runs[c] = asyncio.run(run_load(f"{url}/v1", MODEL, trace, c, args.max_seconds,
                                            f"{os.path.basename(model_path)} c={c}", chat=True, keepalive=False))
     return runs, commands
-
-
-@contextlib.contextmanager
-def healthy_llama_server(binary: str, model_path: str, c: int, log_dir: str):
-    """(url, command) of a healthy llama-server with ``c`` slots. One that dies while loading is started
-    again with ``--no-repack``: on the 2-core Intel VM of 2026-12-05 (AMX advertised), ggml's AMX kernels,
-    which only run on weights repacked for them, died at the first ``tilezero`` (SIGILL, in a later start
-    SIGSEGV; oneDNN's AMX kernels run there); without repacking, llama.cpp runs its AVX-512 kernels on the
-    file's blocks (for Q4_1, AMX is llama.cpp's only repacked path)."""
-    from bench.llamacpp import running_server, server_command
-
-    for extra in ((), ("--no-repack",)):
-        port = free_port()
-        command = [*server_command(binary, model_path, c, port, CTX_PER_SLOT), *extra]
-        name = f"llama_server_{os.path.basename(model_path)}_c{c}{''.join(extra)}.log"
-        with running_server(command, os.path.join(log_dir, name)) as process:
-            url = f"http://127.0.0.1:{port}"
-            if wait_healthy_or_exit(url, process, timeout_s=300):
-                yield url, command
-                return
-        progress(f"llama-server exited while loading (exit status {process.returncode}, log {name})")
-    raise RuntimeError(f"llama-server did not start for c={c}, with or without --no-repack: see {log_dir}")
-
-
-def wait_healthy_or_exit(url: str, process, timeout_s: float) -> bool:
-    """True once ``url``/health answers 200; False if ``process`` exits first; TimeoutError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            return False
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return True
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/health not 200 within {timeout_s:.0f}s")
 
 
 def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args, attempts: int = 3) -> Runs:

@@ -20,15 +20,6 @@ namespace {
 
 constexpr int64_t kLanes = 64;               // four 16-float accumulators
 constexpr int64_t kBlockBytes = 128 * 1024;  // weight rows per block: stays in L2 across the groups
-// weight bytes asked for ahead of the row being read (quant_gemv.cpp: the hardware prefetchers alone
-// left a few-row matmul latency-bound on the 2-core Intel VM)
-constexpr int64_t kPrefetchBytes = 2048;
-
-inline void prefetch_ahead(const float* row, int64_t in, const float* end) {
-  const char* ahead = reinterpret_cast<const char*>(row) + kPrefetchBytes;
-  for (int64_t l = 0; l < in * 4 && ahead + l < reinterpret_cast<const char*>(end); l += 64)
-    __builtin_prefetch(ahead + l);
-}
 
 #if defined(__AVX512F__)
 template <int T>
@@ -36,7 +27,7 @@ void dot_rows(const float* w, const float* x, int64_t x_stride, const float* bia
               int64_t first, int64_t last, int64_t in) {
   for (int64_t o = first; o < last; ++o) {
     const float* row = w + o * in;
-    prefetch_ahead(row, in, w + last * in);
+    windserve::prefetch_ahead(row, in * static_cast<int64_t>(sizeof(float)), w + last * in);
     __m512 acc[T][4];
     for (int t = 0; t < T; ++t) {
       for (int c = 0; c < 4; ++c) acc[t][c] = _mm512_setzero_ps();

@@ -39,22 +39,11 @@ using windserve::kQ4_0;
 using windserve::kQ4_1;
 using windserve::kQ8_0;
 
-// Each weight row's bytes kPrefetchBytes ahead are asked for while the row is dotted (its first group of
-// rows of x only: the others find the tile in L2). On the 2-core Intel VM of 2026-12-05 the hardware
-// prefetchers left this loop latency-bound: a one-thread Q4_1 [1536, 576] matmul over 142 MB of
-// weights streamed 2.8-3.1 GB/s (10 GB/s L2-hot) and 6.8-6.9 with 2-4 KiB ahead; the SmolLM2 batch-1
-// decode step went from 13.4 to 8.9 ms at 2 threads. 8 KiB ahead: 10.1 ms.
-constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t kTileBytes = 64 * 1024;  // weight rows per tile: stays in L2 across the groups of rows
 // weights per chunk (work_pool.cpp): SmolLM2's [576, 576] in 20 chunks, so a thread the OS takes away
 // leaves little for the others to wait on; claiming a chunk costs one atomic add
 constexpr int64_t kChunkWeights = 1 << 14;
 constexpr int64_t kMaxChunks = 64;  // a large weight (the LM head) in chunks of more rows: fewer claims
-
-inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
-  const uint8_t* ahead = row + kPrefetchBytes;
-  for (int64_t l = 0; l < row_bytes && ahead + l < end; l += 64) __builtin_prefetch(ahead + l);
-}
 
 // xsum[t][b] = X_b, block b's 32 activations summed: ((x[l] + x[8 + l]) + (x[16 + l] + x[24 + l])) over
 // lanes l, the lanes in a fixed tree. Q4_1's m term per block.
@@ -189,7 +178,9 @@ void linear_range(const uint8_t* blocks, int64_t row_bytes, int64_t in, const fl
       const float* st = xsum ? xsum + t * (in / kBlock) : nullptr;
       for (int64_t o = start; o < stop; ++o) {
         const uint8_t* row = blocks + o * row_bytes;
-        if (t == 0) prefetch_ahead(row, row_bytes, blocks + last * row_bytes);
+        if (t == 0) {  // rows of x beyond the first three find the tile in L2
+          windserve::prefetch_ahead(row, row_bytes, blocks + last * row_bytes);
+        }
         float* yo = y + t * out + o;
         const float b = bias ? bias[o] : 0.0f;
         switch (std::min<int64_t>(3, rows - t)) {

@@ -116,7 +116,8 @@ def test_llama_server_that_dies_loading_starts_again_without_repacking(tmp_path)
     binary = tmp_path / "llama-server"
     binary.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
     binary.chmod(0o755)
-    with peer.healthy_llama_server(str(binary), "/m/q.gguf", 8, str(tmp_path)) as (url, command):
+    with llamacpp.healthy_llama_server(str(binary), "/m/q.gguf", 8, peer.CTX_PER_SLOT,
+                                        str(tmp_path)) as (url, command):
         assert command[-1] == "--no-repack" and command[:-1] == llamacpp.server_command(
             str(binary), "/m/q.gguf", 8, int(url.rsplit(":", 1)[1]), peer.CTX_PER_SLOT)
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
