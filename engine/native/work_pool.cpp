@@ -46,6 +46,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <pthread.h>
+#endif
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -129,6 +133,9 @@ class Pool {
   }
 
   void helper() {
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "windserve-pool");  // how `top -H` and bench.serve_threads name it
+#endif
     in_job = true;  // a chunk's own parallel call runs inline
     uint64_t seen = generation_.load();
     while (true) {

@@ -43,3 +43,39 @@ def test_prefill_aborted_before_it_parks_raises(tiny_model):
 
     asyncio.run(run())
     assert engine.manager.num_free_pages() == engine.manager.num_total_pages()
+
+
+def test_every_step_runs_on_the_one_named_step_thread(tiny_model):
+    """Steps leave the event loop's thread, always for the same thread, which the OS knows as engine-step."""
+    import sys
+    import threading
+
+    engine = make_engine(tiny_model, tokens_per_block=8)
+    seen = []
+    step = engine.step
+
+    def recording_step():
+        thread = threading.current_thread()
+        name = None
+        if sys.platform.startswith("linux"):
+            with open(f"/proc/self/task/{thread.native_id}/comm") as comm:
+                name = comm.read().strip()
+        seen.append((thread.ident, name))
+        return step()
+
+    engine.step = recording_step
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        tokens = []
+        async for update in loop.generate("r", list(range(12)), GREEDY):
+            tokens.extend(update.new_token_ids)
+        return tokens, threading.get_ident()
+
+    tokens, loop_thread = asyncio.run(run())
+    assert len(tokens) == 4 and len(seen) >= 4  # a prefill step, then a step per further token
+    assert {ident for ident, _ in seen} != {loop_thread} and len({ident for ident, _ in seen}) == 1
+    if sys.platform.startswith("linux"):
+        assert {name for _, name in seen} == {"engine-step"}
+    assert engine.manager.num_free_pages() == engine.manager.num_total_pages()

@@ -5,6 +5,9 @@ not depend on the rest of its batch; NaN and Inf in the activations land where t
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -203,3 +206,25 @@ def test_few_rows_are_the_same_on_any_number_of_threads(kernels, rows, out_featu
     finally:
         torch.set_num_threads(before)
         set_pool_yields(False)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names from /proc")
+def test_the_pools_helper_threads_carry_its_name(kernels):
+    """Once a few-row call ran on 3 threads, the pool's 2 helpers exist and the OS knows them as
+    windserve-pool (what bench.serve_threads and `top -H` show), and no other thread took that name."""
+    linear, _, _ = kernels
+    gen = torch.Generator().manual_seed(0)
+    blocks, _ = quantized(3000, 32 * 8, GGMLQuantizationType.Q8_0, gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        linear(torch.randn(2, 32 * 8, generator=gen), blocks, int(GGMLQuantizationType.Q8_0), None)
+    finally:
+        torch.set_num_threads(before)
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            names.append(comm.read().strip())
+    assert names.count("windserve-pool") >= 2
+    with open(f"/proc/self/task/{os.getpid()}/comm") as comm:
+        assert comm.read().strip() != "windserve-pool"  # the calling (main) thread keeps its own name
