@@ -172,6 +172,12 @@ def rms_norm_kernel():
     return _kernel("rms_norm")
 
 
+def argmax_rows_kernel():
+    """``argmax_rows(logits) -> int64 ids``: torch.argmax(dim=-1) of contiguous float32 CPU rows, NaN first
+    (argmax.cpp), or None."""
+    return _kernel("argmax_rows")
+
+
 def write_kv_kernel():
     """``write_kv(cache, layer, write_rows, key, value)`` (kv_write.cpp), or None."""
     return _kernel("write_kv")

@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rows_linear", &rows_linear, "x @ weight.T + bias for a few rows, each weight row streamed once");
   m.def("moe_experts", &moe_experts, "GPT-OSS's expert layer for a few tokens (pairs sorted by expert), one call");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows in one pass");
+  m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum (its first NaN if it has one)");
   m.def("quant_linear", &quant_linear, "x @ W.T + bias for a few rows, W in GGUF blocks (Q8_0, Q4_0, Q4_1)");
   m.def("quant_rows", &quant_rows, "rows of a GGUF-quantized weight, dequantized to float32");
   m.def("quant_matmul", &quant_matmul, "x @ W.T + bias for many rows, W dequantized a tile at a time");

@@ -27,6 +27,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& tokens, const at::
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+at::Tensor argmax_rows(const at::Tensor& logits);
+
 void write_kv(at::Tensor& cache, int64_t layer, const at::Tensor& write_rows, const at::Tensor& key,
               const at::Tensor& value);
 
