@@ -1,10 +1,12 @@
-"""Drives an LLMEngine inside an async actor: steps in a thread, updates to per-request queues.
+"""Drives an LLMEngine inside an async actor: steps on a thread of their own, updates to per-request queues.
 
-All engine calls go through ``call`` (under one asyncio lock), and the step
-runs under the same lock in the loop's own thread (``engine-step``: every step on
-one OS thread, named so that ``top -H`` and bench.serve_threads can tell it
-apart from the actor's other threads), so the engine is never touched
-by two threads at once while the actor's event loop stays free for calls.
+One thread, ``engine-step`` (named so that ``top -H`` and bench.serve_threads can tell
+it apart from the actor's other threads), owns the engine: it runs the engine calls
+that ``call`` hands it, between steps, and the steps back to back while requests are
+unfinished, so the engine is never touched by two threads at once. Each step's updates
+reach the per-request queues on the actor's event loop (``call_soon_threadsafe``,
+in the order the thread made them), while the next step already runs: the loop's
+per-token work (the stream, Serve's messages) no longer sits between two steps.
 If a step raises, every request in flight gets an ``error`` update and is
 aborted (its pages freed); the loop keeps serving new requests.
 """
@@ -12,12 +14,14 @@ aborted (its pages freed); the loop keeps serving new requests.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import ctypes
 import logging
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from engine import LLMEngine, RequestUpdate, SamplingParams
 from engine.outputs import FinishReason, is_tracing_path, merge_updates, stamp
@@ -52,22 +56,49 @@ def name_os_thread(name: str) -> None:
 class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._stepper = ThreadPoolExecutor(1, thread_name_prefix=STEP_THREAD_NAME, initializer=name_os_thread,
-                                           initargs=(STEP_THREAD_NAME,))
-        self._lock = asyncio.Lock()
-        self._wakeup = asyncio.Event()
+        self._commands: deque[tuple[Callable, tuple, dict, concurrent.futures.Future, bool]] = deque()
+        self._work = threading.Event()  # set: a command or a start is waiting for the step thread
+        self._thread: threading.Thread | None = None
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._stepping = False  # start() sets it: until then the thread runs calls, no steps
         self._queues: dict[str, asyncio.Queue[RequestUpdate]] = {}
-        self._task: asyncio.Task | None = None
         self.is_tracing = is_tracing_path()  # updates carry their hop times (engine.outputs.TRACE_PATH_ENV)
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        """Step the engine whenever it has unfinished requests (from the running event loop)."""
+        self._bind()
+        self._stepping = True
+        self._work.set()
+
+    def stop(self) -> None:
+        """No more steps after the one running (if any) ends; calls still run."""
+        self._stepping = False
 
     async def call(self, fn: Callable, *args, **kwargs):
-        """Run a quick engine call between steps."""
-        async with self._lock:
-            return fn(*args, **kwargs)
+        """Run a quick engine call on the step thread, between two steps."""
+        return await self._submit(fn, args, kwargs, deliver=False)
+
+    async def call_and_deliver(self, fn: Callable, *args, **kwargs) -> list[RequestUpdate]:
+        """``call`` a function that returns updates, and deliver them before any later step's."""
+        return await self._submit(fn, args, kwargs, deliver=True)
+
+    async def _submit(self, fn: Callable, args: tuple, kwargs: dict, deliver: bool):
+        self._bind()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.append((fn, args, kwargs, future, deliver))
+        self._work.set()
+        return await asyncio.wrap_future(future)
+
+    def _send(self, fn: Callable, *args) -> None:
+        """Queue a call behind those already queued, without waiting for it (from the event loop)."""
+        self._commands.append((fn, args, {}, concurrent.futures.Future(), False))
+        self._work.set()
+
+    def _bind(self) -> None:
+        self._event_loop = asyncio.get_running_loop()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=STEP_THREAD_NAME, daemon=True)
+            self._thread.start()
 
     def watch(self, request_id: str) -> asyncio.Queue[RequestUpdate]:
         queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
@@ -82,7 +113,6 @@ class EngineLoop:
             queue = self._queues.get(update.request_id)
             if queue is not None:
                 queue.put_nowait(update)
-        self._wakeup.set()
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestUpdate]:
@@ -112,10 +142,10 @@ class EngineLoop:
         queue = self.watch(request_id)
         try:
             await self.call(add, request_id, prompt_token_ids, params)
-        except Exception:
+        except BaseException:  # a failed add, or a caller gone while it ran: nothing may keep stepping it
             self.unwatch(request_id)
+            self._send(self.engine.abort, request_id)
             raise
-        self._wakeup.set()
         return queue
 
     async def stream(self, request_id: str, queue: asyncio.Queue[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
@@ -143,24 +173,46 @@ class EngineLoop:
             self.deliver([RequestUpdate(request_id, [], "", 0, 0, finish_reason=FinishReason.ABORT)])
         return existed
 
-    async def _run(self) -> None:
+    def _run(self) -> None:
+        """The step thread: calls as they come, steps while there is work and the loop is started."""
+        name_os_thread(STEP_THREAD_NAME)
         while True:
-            if not self.engine.has_unfinished():
-                self._wakeup.clear()
-                await self._wakeup.wait()
+            self._work.clear()
+            self._run_commands()
+            if not (self._stepping and self.engine.has_unfinished()):
+                self._work.wait()
                 continue
-            async with self._lock:
-                started = time.monotonic()
-                try:
-                    updates = await asyncio.get_running_loop().run_in_executor(self._stepper, self.engine.step)
-                except Exception as exc:  # a failed step must not strand requests
-                    log.exception("engine step failed")
-                    updates = self._fail_all(exc)
+            started = time.monotonic()
+            try:
+                updates = self.engine.step()
+            except Exception as exc:  # a failed step must not strand requests
+                log.exception("engine step failed")
+                updates = self._fail_all(exc)
             if self.is_tracing:
                 for update in updates:
                     update.stamps = {"step_start": started, "step_end": time.monotonic()}
-            self.deliver(updates)
-            await asyncio.sleep(0)
+            if updates:
+                self._post(updates)
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, args, kwargs, future, deliver = self._commands.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller went away before it ran
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                future.set_exception(exc)
+                continue
+            if deliver and result:
+                self._post(result)
+            future.set_result(result)
+
+    def _post(self, updates: list[RequestUpdate]) -> None:
+        try:
+            self._event_loop.call_soon_threadsafe(self.deliver, updates)
+        except RuntimeError:  # the event loop is closed: nobody is left to read these
+            log.warning("engine loop: %d updates for a closed event loop dropped", len(updates))
 
     def _fail_all(self, exc: Exception) -> list[RequestUpdate]:
         updates = []

@@ -93,25 +93,25 @@ class GenerationWorker(KVWorker):
         """reserve ─► claim ─► pull ─► release ─► add ─► stream the request's updates;
         a local prefill instead when the context side is unavailable."""
         try:
-            queue, updates = await self._receive(handle, prompt_token_ids, params)
+            queue = await self._receive(handle, prompt_token_ids, params)
         except ContextUnavailable as lost:
-            queue, updates = await self._fall_back(handle, prompt_token_ids, params, lost)
-        self.loop.deliver(updates)
+            queue = await self._fall_back(handle, prompt_token_ids, params, lost)
         async for update in self.loop.stream(handle.request_id, queue):
             yield update
 
     async def _receive(self, handle: KVHandle, prompt_token_ids: list[int],
-                       params: SamplingParams) -> tuple[asyncio.Queue[RequestUpdate], list[RequestUpdate]]:
+                       params: SamplingParams) -> asyncio.Queue[RequestUpdate]:
         rid = handle.request_id
         async with self._handoff(handle) as handoff:
             await self._transfer(handoff, handle, prompt_token_ids)  # reserve, claim, pull, release
             queue = self.loop.watch(rid)
-            updates = await self.loop.call(self.engine.add_prefilled, rid, prompt_token_ids, handle.output_token_ids,
-                                           params, handle.output_logprobs, handle.num_cached_tokens)
-        return queue, updates
+            # its first updates (the context side's outputs) reach the queue before any step's
+            await self.loop.call_and_deliver(self.engine.add_prefilled, rid, prompt_token_ids, handle.output_token_ids,
+                                             params, handle.output_logprobs, handle.num_cached_tokens)
+        return queue
 
     async def _fall_back(self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams,
-                         lost: ContextUnavailable) -> tuple[asyncio.Queue[RequestUpdate], list[RequestUpdate]]:
+                         lost: ContextUnavailable) -> asyncio.Queue[RequestUpdate]:
         """Prefill here, keeping the context side's k outputs (the handoff is already undone)."""
         rid, agent = handle.request_id, handle.context_agent
         log.warning("request %s: context side %s unavailable (%s); prefilling here", rid, agent, lost)
@@ -126,7 +126,7 @@ class GenerationWorker(KVWorker):
             self.loop.unwatch(rid)
             await asyncio.shield(self.loop.call(self.engine.abort, rid))
             raise
-        return queue, []
+        return queue
 
     async def generate_local(self, request_id: str, prompt_token_ids: list[int],
                              params: SamplingParams) -> AsyncIterator[RequestUpdate]:

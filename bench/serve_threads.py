@@ -88,7 +88,7 @@ def engine_replica_pid(mode: str) -> int:
     """The pid of the Serve replica whose process holds the engine in ``mode``."""
     import psutil
 
-    deployment = "Ingress" if mode == "aggregated-in-ingress" else "Worker"
+    deployment = "Ingress" if "in-ingress" in mode else "Worker"
     for process in psutil.Process().children(recursive=True):
         try:
             title = process.cmdline()[0] if process.cmdline() else ""

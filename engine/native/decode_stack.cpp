@@ -105,5 +105,5 @@ void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("run", &DecodeStack::run);
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());  // see bindings.cpp
 }

@@ -57,8 +57,7 @@ def prefill(context: ContextWorker, request_id: str, prompt: list[int], params: 
         try:
             return await context.prefill(request_id, prompt, params)
         finally:
-            context.loop._task.cancel()
-            context.loop._task = None
+            context.loop.stop()
 
     return asyncio.run(run())
 
