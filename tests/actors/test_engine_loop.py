@@ -79,3 +79,105 @@ def test_every_step_runs_on_the_one_named_step_thread(tiny_model):
     if sys.platform.startswith("linux"):
         assert {name for _, name in seen} == {"engine-step"}
     assert engine.manager.num_free_pages() == engine.manager.num_total_pages()
+
+
+def test_steps_go_on_while_the_event_loop_is_busy(tiny_model):
+    """The step thread does not wait for the event loop between steps: with the loop blocked for 0.5 s
+    right after the first token, the engine kept stepping, and the tokens that queued meanwhile come
+    merged, in order, the same tokens as an unblocked run."""
+    import time
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = list(range(3, 30))
+
+    def run(block_s: float):
+        engine = make_engine(tiny_model, tokens_per_block=8)
+        step, steps_at = engine.step, []
+
+        def stamped_step():
+            updates = step()
+            steps_at.append(time.monotonic())
+            return updates
+
+        engine.step = stamped_step
+
+        async def go():
+            loop = EngineLoop(engine)
+            loop.start()
+            updates, blocked = [], None
+            async for update in loop.generate("r", prompt, params):
+                updates.append(update)
+                if blocked is None and block_s:
+                    began = time.monotonic()
+                    time.sleep(block_s)  # the event loop's thread is busy; no await
+                    blocked = (began, time.monotonic())
+            return updates, blocked
+
+        updates, blocked = asyncio.run(go())
+        assert engine.manager.num_free_pages() == engine.manager.num_total_pages()
+        return updates, blocked, steps_at
+
+    plain, _, _ = run(0.0)
+    updates, (began, ended), steps_at = run(0.5)
+    tokens = [t for u in updates for t in u.new_token_ids]
+    assert tokens == [t for u in plain for t in u.new_token_ids] and len(tokens) == 24
+    assert sum(began < t < ended for t in steps_at) >= 5  # stepped while the loop could not ask it to
+    assert len(updates) < len(plain)  # what queued meanwhile came as fewer, merged updates
+
+
+def test_updates_a_call_returns_reach_the_queue_before_any_later_steps(tiny_model):
+    """call_and_deliver (a generation worker adding a prefilled request with the context side's
+    outputs): those updates are first in the request's stream, though the step thread may step
+    the request before the caller resumes."""
+    from engine import RequestUpdate
+
+    engine = make_engine(tiny_model, tokens_per_block=8)
+    marker = RequestUpdate("r", [], "<handed over>", 20, 0)
+
+    def add():
+        engine.add_request("r", list(range(20)), GREEDY)
+        return [marker]
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        queue = loop.watch("r")
+        await loop.call_and_deliver(add)
+        return [update async for update in loop.stream("r", queue)]
+
+    updates = asyncio.run(run())
+    assert updates[0].new_text.startswith("<handed over>")
+    assert sum(len(u.new_token_ids) for u in updates) == 4 and updates[-1].is_finished
+    assert engine.manager.num_free_pages() == engine.manager.num_total_pages()
+
+
+def test_a_caller_gone_while_its_request_was_being_added_leaves_nothing_running(tiny_model):
+    """The add runs on the step thread; a caller cancelled while it ran gets CancelledError, and the
+    request it added is aborted behind it: nothing keeps running, every page is free."""
+    import threading
+
+    engine = make_engine(tiny_model, tokens_per_block=8)
+    adding, release = threading.Event(), threading.Event()
+    add = engine.add_request
+
+    def slow_add(*args, **kwargs):
+        adding.set()
+        release.wait(10)
+        return add(*args, **kwargs)
+
+    engine.add_request = slow_add
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        task = asyncio.ensure_future(anext(loop.generate("r", list(range(20)), GREEDY)))
+        while not adding.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()  # the add is running on the step thread
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await loop.call(engine.has_unfinished) is False
+
+    asyncio.run(run())
+    assert engine.manager.num_free_pages() == engine.manager.num_total_pages()
