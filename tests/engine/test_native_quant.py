@@ -258,3 +258,43 @@ def test_a_long_kernel_call_lets_other_python_threads_run(kernels):
     assert end - start > 0.04  # long enough that a GIL held across it would be seen
     inside = [t for t in stamps if start + 0.01 < t < end - 0.01]
     assert len(inside) > 0.5 * len(stamps)  # 0.94 of them; 0.19 when the binding held the GIL
+
+
+def test_a_late_helpers_chunks_are_computed_by_the_caller_with_the_same_bits(kernels):
+    """A helper that claimed a chunk and then lost its core (here: held 300 ms, as if preempted) does not
+    hold the call up: the caller computes that chunk itself, the call returns long before the helper is
+    back, and the output is bit for bit the one-thread result; the late helper's own copy is dropped, so
+    the outputs of the calls after it (made while it was still away) are exact too."""
+    import time
+
+    from engine.native import pool_stolen_chunks_kernel, stall_next_pool_chunk_kernel
+
+    linear, _, _ = kernels
+    stolen, stall = built_kernel(pool_stolen_chunks_kernel), built_kernel(stall_next_pool_chunk_kernel)
+    gen = torch.Generator().manual_seed(5)
+    kind = int(GGMLQuantizationType.Q4_1)
+    blocks, _ = quantized(6144, 32 * 18, GGMLQuantizationType.Q4_1, gen)
+    xs = [torch.randn(rows, 32 * 18, generator=gen) for rows in (1, 3, 1, 2, 1, 1)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [linear(x, blocks, kind, None) for x in xs]
+        torch.set_num_threads(2)
+        linear(xs[0], blocks, kind, None)  # the helper exists and is awake
+        stolen_before = stolen()
+        took = []
+        for _ in range(20):  # until a helper claims a chunk while stalled (it may be asleep for a call)
+            stall(300_000)
+            began = time.monotonic()
+            got = [linear(x, blocks, kind, None) for x in xs]
+            took.append(time.monotonic() - began)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            if stolen() > stolen_before:
+                break
+        assert stolen() > stolen_before
+        assert took[-1] < 0.15  # six calls, one with the stalled helper: none waited the 300 ms
+        time.sleep(0.35)  # the helper is back, its CAS fails, its copy is dropped
+        assert all(torch.equal(linear(x, blocks, kind, None), w) for x, w in zip(xs, want, strict=True))
+    finally:
+        stall(0)
+        torch.set_num_threads(before)
