@@ -208,18 +208,6 @@ def set_pool_yields_kernel():
     return _kernel("set_pool_yields")
 
 
-def pool_stolen_chunks_kernel():
-    """``pool_stolen_chunks() -> int``: how many few-row matmul chunks a caller computed itself because
-    the helper thread holding them was late (work_pool.cpp, parallel_columns), or None."""
-    return _kernel("pool_stolen_chunks")
-
-
-def stall_next_pool_chunk_kernel():
-    """``stall_next_pool_chunk(us)``: tests only; the next column chunk a helper claims, it holds this
-    long first, as a thread the OS took off its core would, or None."""
-    return _kernel("stall_next_pool_chunk")
-
-
 def quant_rows_kernel():
     """``quant_rows(blocks, kind, index) -> float32 rows`` of a GGUF-quantized weight (quant.cpp), or None."""
     return _kernel("quant_rows")

@@ -19,8 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, "rows of a GGUF-quantized weight, dequantized to float32", nogil);
   m.def("quant_matmul", &quant_matmul, "x @ W.T + bias for many rows, W dequantized a tile at a time", nogil);
   m.def("set_pool_yields", &set_pool_yields, "how the few-row kernels' helper threads wait between jobs");
-  m.def("pool_stolen_chunks", &pool_stolen_chunks, "column chunks callers computed for a late helper");
-  m.def("stall_next_pool_chunk", &stall_next_pool_chunk, "tests: a helper holds its next column chunk this long");
   bind_decode_stack(m);
   m.def("write_kv", &write_kv, "a step's new K and V rows of one layer into their pages");
 }

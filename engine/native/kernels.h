@@ -44,24 +44,12 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t k
 // How parallel_chunks' helpers wait between jobs (work_pool.cpp): true for decode-only steps (yield the
 // core to other processes), false for prefill and mixed steps (pause, then sleep).
 void set_pool_yields(bool yields);
-// Tests: the next column chunk a helper claims, it holds for this long first (as if the OS took its core).
-void stall_next_pool_chunk(int64_t microseconds);
-// Column chunks the pool's callers computed themselves because the helper holding them was late.
-int64_t pool_stolen_chunks();
 
 namespace windserve {
 // f(first, last) over [0, n) in chunks of `grain`, on the calling thread and work_pool.cpp's helpers
 // (at::get_num_threads() in all); returns when every chunk is done. A helper the OS has not scheduled
 // takes no chunk and is not waited for (at::parallel_for's barrier waits for every thread).
 void parallel_chunks(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
-// Outputs in columns: f(first, last, y, y_stride, col0) computes columns [first, last) of every output row t,
-// writing column o of row t at y[t * y_stride + o - col0]. A chunk a helper claimed but has not finished
-// when the caller ran out of its own is computed again by the caller, into the output (work_pool.cpp),
-// while the helper's copy goes to its own scratch and is dropped: the caller never waits on a thread the
-// OS took off its core. f is kept (with whatever it captures) until every helper has left it, so it must
-// capture by value what it reads: a late helper may still run it after parallel_columns returned.
-using ColumnsFn = std::function<void(int64_t first, int64_t last, float* y, int64_t y_stride, int64_t col0)>;
-void parallel_columns(int64_t n, int64_t grain, int64_t rows, float* y, int64_t y_stride, ColumnsFn f);
 // y[t, :] = weight @ x[t, :] + bias for t < rows (gemv.cpp); weight [out, in] contiguous, bias may be null.
 void linear_rows(const float* x, int64_t rows, int64_t x_stride, const float* weight, const float* bias,
                  int64_t out, int64_t in, float* y, int64_t y_stride);

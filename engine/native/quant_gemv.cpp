@@ -27,8 +27,6 @@
 #include <cstring>
 #include <vector>
 
-#include <memory>
-
 #include "kernels.h"
 #include "quant_blocks.h"
 
@@ -171,8 +169,7 @@ void dot_rows(const uint8_t* row, int64_t in, const float* x, const float* xsum,
 // (their 6 accumulators, 4 weight vectors and the scales fit AVX2's 16 registers).
 template <int64_t K>
 void linear_range(const uint8_t* blocks, int64_t row_bytes, int64_t in, const float* x, int64_t rows,
-                  const float* xsum, const float* bias, float* y, int64_t y_stride, int64_t col0, int64_t first,
-                  int64_t last) {
+                  const float* xsum, const float* bias, float* y, int64_t out, int64_t first, int64_t last) {
   const int64_t tile = std::max<int64_t>(1, kTileBytes / row_bytes);
   for (int64_t start = first; start < last; start += tile) {
     const int64_t stop = std::min(last, start + tile);
@@ -184,12 +181,12 @@ void linear_range(const uint8_t* blocks, int64_t row_bytes, int64_t in, const fl
         if (t == 0) {  // rows of x beyond the first three find the tile in L2
           windserve::prefetch_ahead(row, row_bytes, blocks + last * row_bytes);
         }
-        float* yo = y + t * y_stride + (o - col0);
+        float* yo = y + t * out + o;
         const float b = bias ? bias[o] : 0.0f;
         switch (std::min<int64_t>(3, rows - t)) {
-          case 1: dot_rows<K, 1>(row, in, xt, st, yo, y_stride, b); break;
-          case 2: dot_rows<K, 2>(row, in, xt, st, yo, y_stride, b); break;
-          default: dot_rows<K, 3>(row, in, xt, st, yo, y_stride, b); break;
+          case 1: dot_rows<K, 1>(row, in, xt, st, yo, out, b); break;
+          case 2: dot_rows<K, 2>(row, in, xt, st, yo, out, b); break;
+          default: dot_rows<K, 3>(row, in, xt, st, yo, out, b); break;
         }
       }
     }
@@ -207,33 +204,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t k
   const int64_t out = blocks.size(0), rows = x.size(0), row_bytes = blocks.size(1);
   const float* b = windserve::optional_bias(bias, out, "quant_linear");
   at::Tensor y = at::empty({rows, out}, x.options());
-  // What a chunk reads, kept alive by the chunk function itself: a helper the OS held back may still run
-  // it (into its own scratch, then dropped) after this call returned (work_pool.cpp, parallel_columns).
-  struct Inputs {
-    at::Tensor x, blocks, bias;
-    std::vector<float> sums;  // Q4_1's per-block activation sums
-  };
-  auto inputs = std::make_shared<Inputs>(Inputs{x, blocks, bias.has_value() ? *bias : at::Tensor(),
-                                                kind == kQ4_1 ? block_sums(x.data_ptr<float>(), rows, in)
-                                                              : std::vector<float>()});
   const uint8_t* data = blocks.data_ptr<uint8_t>();
   const float* xs = x.data_ptr<float>();
-  const float* xsum = inputs->sums.empty() ? nullptr : inputs->sums.data();
+  float* ys = y.data_ptr<float>();
+  const std::vector<float> sums = kind == kQ4_1 ? block_sums(xs, rows, in) : std::vector<float>();
+  const float* xsum = sums.empty() ? nullptr : sums.data();
   // each output is computed by one thread, the same way whatever the split or the thread: no bit changes
   const int64_t grain = std::max({int64_t{1}, kChunkWeights / in, (out + kMaxChunks - 1) / kMaxChunks});
-  windserve::parallel_columns(out, grain, rows, y.data_ptr<float>(), out,
-                              [inputs, data, row_bytes, in, xs, rows, xsum, b, kind](
-                                  int64_t first, int64_t last, float* ys, int64_t y_stride, int64_t col0) {
+  windserve::parallel_chunks(out, grain, [&](int64_t first, int64_t last) {
     switch (kind) {
-      case kQ8_0:
-        linear_range<kQ8_0>(data, row_bytes, in, xs, rows, xsum, b, ys, y_stride, col0, first, last);
-        break;
-      case kQ4_0:
-        linear_range<kQ4_0>(data, row_bytes, in, xs, rows, xsum, b, ys, y_stride, col0, first, last);
-        break;
-      default:
-        linear_range<kQ4_1>(data, row_bytes, in, xs, rows, xsum, b, ys, y_stride, col0, first, last);
-        break;
+      case kQ8_0: linear_range<kQ8_0>(data, row_bytes, in, xs, rows, xsum, b, ys, out, first, last); break;
+      case kQ4_0: linear_range<kQ4_0>(data, row_bytes, in, xs, rows, xsum, b, ys, out, first, last); break;
+      default: linear_range<kQ4_1>(data, row_bytes, in, xs, rows, xsum, b, ys, out, first, last); break;
     }
   });
   return y;

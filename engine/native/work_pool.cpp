@@ -40,8 +40,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <condition_variable>
-#include <cstring>
-#include <memory>
 #include <functional>
 #include <mutex>
 #include <string>
@@ -64,7 +62,6 @@ constexpr int kSpinRounds = 20000;  // ~0.5 ms of pause before a helper sleeps (
 constexpr int kYieldingSpins = 200;  // decode-only steps: a few us of pause before a helper yields,
 constexpr std::chrono::microseconds kYieldFor{2000};  // then sched_yield until this long after its last job
 constexpr int kCallerSpins = 2000;  // a few us of pause before the caller yields, waiting for a helper
-constexpr int64_t kMinGraceNs = 3000;  // a column job's caller waits at least this long before it steals
 
 inline void relax() {
 #if defined(__x86_64__)
@@ -74,32 +71,7 @@ inline void relax() {
 #endif
 }
 
-inline int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 thread_local bool in_job = false;
-
-// A column chunk's state (Job::state). A helper computes its chunk into scratch memory of its own and
-// publishes it only if it can move the chunk from kOpen to kCommitting; the caller may instead move it to
-// kStolen and compute it itself. So a helper that comes back late never writes the caller's output.
-enum ChunkState : int { kOpen = 0, kCommitting = 1, kStolen = 2, kDone = 3 };
-
-struct Job {
-  int64_t n = 0, grain = 1, num_chunks = 0;
-  std::atomic<int64_t> next{0}, done{0};
-  // plain jobs: the caller's function, on its stack; run only for a claimed chunk, which the caller awaits
-  const std::function<void(int64_t, int64_t)>* plain = nullptr;
-  // column jobs: owned here (it keeps what it reads alive), so a helper may run it after the caller left
-  windserve::ColumnsFn columns;
-  float* y = nullptr;  // the caller's output: written by a helper only between kCommitting and kDone
-  int64_t rows = 0, y_stride = 0;
-  std::unique_ptr<std::atomic<int>[]> state;
-
-  int64_t first(int64_t chunk) const { return chunk * grain; }
-  int64_t last(int64_t chunk) const { return std::min(n, first(chunk) + grain); }
-};
 
 class Pool {
  public:
@@ -109,65 +81,29 @@ class Pool {
   }
 
   void set_yields(bool yields) { yields_.store(yields && yield_allowed_, std::memory_order_relaxed); }
-  void stall_next_helper_chunk(int64_t us) { stall_us_.store(us); }
-  int64_t stolen_chunks() const { return stolen_.load(); }
 
   void run(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
     const int64_t num_chunks = (n + grain - 1) / grain;
+    const int threads = at::get_num_threads();
     std::unique_lock<std::mutex> submit(submit_, std::try_to_lock);
-    if (num_chunks <= 1 || at::get_num_threads() <= 1 || in_job || !submit.owns_lock()) {
+    if (num_chunks <= 1 || threads <= 1 || in_job || !submit.owns_lock()) {
       f(0, n);
       return;
     }
-    auto job = std::make_shared<Job>();
-    job->n = n, job->grain = grain, job->num_chunks = num_chunks, job->plain = &f;
-    publish(job);
+    ensure_helpers(threads - 1);
+    f_ = &f, n_ = n, grain_ = grain, num_chunks_ = num_chunks;
+    next_.store(0), done_.store(0);
+    {
+      std::lock_guard<std::mutex> lock(sleep_);
+      generation_.fetch_add(1);  // open: helpers may join
+    }
+    wake_.notify_all();
     in_job = true;
-    for (int64_t chunk; (chunk = job->next.fetch_add(1)) < num_chunks;) {
-      f(job->first(chunk), job->last(chunk));
-      job->done.fetch_add(1);
-    }
+    work();
     in_job = false;
-    wait_until([&] { return job->done.load() >= num_chunks; });  // chunks a helper claimed, still running
-    close();
-  }
-
-  void run_columns(int64_t n, int64_t grain, int64_t rows, float* y, int64_t y_stride, windserve::ColumnsFn f) {
-    const int64_t num_chunks = (n + grain - 1) / grain;
-    std::unique_lock<std::mutex> submit(submit_, std::try_to_lock);
-    if (num_chunks <= 1 || at::get_num_threads() <= 1 || in_job || !submit.owns_lock()) {
-      f(0, n, y, y_stride, 0);
-      return;
-    }
-    auto job = std::make_shared<Job>();
-    job->n = n, job->grain = grain, job->num_chunks = num_chunks, job->rows = rows, job->y = y;
-    job->y_stride = y_stride, job->columns = std::move(f);
-    job->state.reset(new std::atomic<int>[num_chunks]);
-    for (int64_t c = 0; c < num_chunks; ++c) job->state[c].store(kOpen);
-    publish(job);
-    in_job = true;
-    const int64_t began = now_ns();
-    int64_t own = 0;
-    for (int64_t chunk; (chunk = job->next.fetch_add(1)) < num_chunks; ++own) {
-      job->columns(job->first(chunk), job->last(chunk), y, y_stride, 0);
-      job->state[chunk].store(kDone);
-    }
-    // A helper's chunk still open after a few of our own chunks' time: its thread is likely off its core
-    // (the OS ran something else there). Compute it here rather than wait for that thread to come back.
-    const int64_t grace = std::max(kMinGraceNs, 3 * (now_ns() - began) / std::max<int64_t>(1, own));
-    const int64_t deadline = now_ns() + grace;
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      for (int spin = 0; job->state[c].load() == kOpen && now_ns() < deadline; ++spin) relax();
-      int open = kOpen;
-      if (job->state[c].compare_exchange_strong(open, kStolen)) {
-        job->columns(job->first(c), job->last(c), y, y_stride, 0);
-        job->state[c].store(kDone);
-        stolen_.fetch_add(1);
-      }
-      wait_until([&] { return job->state[c].load() == kDone; });  // a helper publishing it: a copy's time
-    }
-    in_job = false;
-    close();
+    wait_until([&] { return done_.load() >= num_chunks_; });  // chunks a helper claimed, still running
+    generation_.fetch_add(1);  // closed: a helper joining from now on leaves at once
+    wait_until([&] { return active_.load() == 0; });
   }
 
  private:
@@ -181,44 +117,11 @@ class Pool {
     }
   }
 
-  void publish(const std::shared_ptr<Job>& job) {
-    ensure_helpers(at::get_num_threads() - 1);
-    {
-      std::lock_guard<std::mutex> lock(sleep_);
-      current_ = job;
-      generation_.fetch_add(1);  // odd: open, helpers may join
-    }
-    wake_.notify_all();
-  }
-
-  void close() {
-    std::lock_guard<std::mutex> lock(sleep_);
-    generation_.fetch_add(1);  // even: a helper waking from now on finds no job
-    current_.reset();  // a helper still in it holds its own reference
-  }
-
-  // A helper's share of a job: claimed chunks, until none is left.
-  void work(Job& job) {
-    for (int64_t chunk; (chunk = job.next.fetch_add(1)) < job.num_chunks;) {
-      const int64_t first = job.first(chunk), last = job.last(chunk);
-      if (job.plain != nullptr) {
-        (*job.plain)(first, last);
-        job.done.fetch_add(1);
-        continue;
-      }
-      if (const int64_t stall = stall_us_.exchange(0); stall > 0) {  // tests: a helper taken off its core
-        std::this_thread::sleep_for(std::chrono::microseconds(stall));
-      }
-      const int64_t width = last - first;
-      thread_local std::vector<float> scratch;
-      scratch.resize(static_cast<size_t>(job.rows * width));
-      job.columns(first, last, scratch.data(), width, first);
-      int open = kOpen;
-      if (!job.state[chunk].compare_exchange_strong(open, kCommitting)) continue;  // the caller took it
-      for (int64_t t = 0; t < job.rows; ++t) {
-        std::memcpy(job.y + t * job.y_stride + first, scratch.data() + t * width, width * sizeof(float));
-      }
-      job.state[chunk].store(kDone);
+  void work() {
+    for (int64_t chunk; (chunk = next_.fetch_add(1)) < num_chunks_;) {
+      const int64_t first = chunk * grain_;
+      (*f_)(first, std::min(n_, first + grain_));
+      done_.fetch_add(1);
     }
   }
 
@@ -247,17 +150,15 @@ class Pool {
           std::this_thread::yield(), now = generation_.load();
         }
       }
-      std::shared_ptr<Job> job;
-      {
+      if (now == seen) {
         std::unique_lock<std::mutex> lock(sleep_);
-        if (now == seen) {
-          wake_.wait(lock, [&] { return generation_.load() != seen; });
-          now = generation_.load();
-        }
-        if (generation_.load() == now && (now & 1) == 1) job = current_;  // odd: a job is open
+        wake_.wait(lock, [&] { return generation_.load() != seen; });
+        now = generation_.load();
       }
       seen = now;
-      if (job) work(*job);
+      active_.fetch_add(1);
+      if (generation_.load() == now && (now & 1) == 1) work();  // odd: a job is open
+      active_.fetch_sub(1);
     }
   }
 
@@ -266,12 +167,13 @@ class Pool {
     return flag == nullptr || std::string(flag) != "0";
   }();
   std::atomic<bool> yields_{false};
-  std::atomic<int64_t> stall_us_{0}, stolen_{0};
   std::mutex submit_, sleep_;
   std::condition_variable wake_;
   std::vector<std::thread> helpers_;
   std::atomic<uint64_t> generation_{0};  // odd while a job is open
-  std::shared_ptr<Job> current_;  // under sleep_
+  std::atomic<int64_t> next_{0}, done_{0}, active_{0};
+  const std::function<void(int64_t, int64_t)>* f_ = nullptr;
+  int64_t n_ = 0, grain_ = 1, num_chunks_ = 0;
 };
 
 }  // namespace
@@ -282,14 +184,6 @@ void parallel_chunks(int64_t n, int64_t grain, const std::function<void(int64_t,
   Pool::get().run(n, std::max<int64_t>(1, grain), f);
 }
 
-void parallel_columns(int64_t n, int64_t grain, int64_t rows, float* y, int64_t y_stride, ColumnsFn f) {
-  Pool::get().run_columns(n, std::max<int64_t>(1, grain), rows, y, y_stride, std::move(f));
-}
-
 }  // namespace windserve
 
 void set_pool_yields(bool yields) { Pool::get().set_yields(yields); }
-
-void stall_next_pool_chunk(int64_t microseconds) { Pool::get().stall_next_helper_chunk(microseconds); }
-
-int64_t pool_stolen_chunks() { return Pool::get().stolen_chunks(); }
