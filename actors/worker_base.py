@@ -60,7 +60,7 @@ class EngineWorker:
         self.loop = EngineLoop(self.engine)
 
     async def start(self) -> None:
-        """Start stepping the engine (a task on the running event loop)."""
+        """Start stepping the engine (on the engine loop's own thread, updates to this event loop)."""
         self.loop.start()
 
     async def shutdown(self) -> None:
@@ -76,7 +76,7 @@ class EngineWorker:
 
     async def routing_stats(self) -> dict:
         """What a KV-aware router weighs (``LLMEngine.routing_stats``)."""
-        stats = await self.loop.call(self.engine.routing_stats)  # names copied under the engine lock
+        stats = await self.loop.call(self.engine.routing_stats)  # names copied on the step thread, between steps
         return await asyncio.to_thread(summarize_cache, stats)  # the filter built outside it
 
     async def check_integrity(self) -> None:
