@@ -84,15 +84,17 @@ class EngineLoop:
 
     async def _submit(self, fn: Callable, args: tuple, kwargs: dict, deliver: bool):
         self._bind()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.append((fn, args, kwargs, future, deliver))
-        self._work.set()
-        return await asyncio.wrap_future(future)
+        return await asyncio.wrap_future(self._enqueue(fn, args, kwargs, deliver))
 
     def _send(self, fn: Callable, *args) -> None:
         """Queue a call behind those already queued, without waiting for it (from the event loop)."""
-        self._commands.append((fn, args, {}, concurrent.futures.Future(), False))
+        self._enqueue(fn, args, {}, deliver=False)
+
+    def _enqueue(self, fn: Callable, args: tuple, kwargs: dict, deliver: bool) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.append((fn, args, kwargs, future, deliver))
         self._work.set()
+        return future
 
     def _bind(self) -> None:
         self._event_loop = asyncio.get_running_loop()
