@@ -6,7 +6,11 @@
    weights kept quantized), at 1 torch thread (a disaggregated generation worker's) and 2 (the
    aggregated worker's here), over the contexts the served c = 1 requests decode at (a prompt of their
    mean prompt tokens, then as many steps as they have output tokens). The report divides each served
-   ITL p50 by the 2-thread step: issue 29's "HTTP ITL within 1.2x of the engine's own step".
+   ITL p50 by the 2-thread step: issue 29's "HTTP ITL within 1.2x of the engine's own step". The box
+   drifts by 20% over minutes, so the c = 1 phase also measures that step between its rounds of requests,
+   every serving process stopped (SIGSTOP) meanwhile: the engine alone on the cores, in the same minute as
+   the served tokens it is compared with (``interleaved``; each round's ITL p50 over the mean of the steps
+   either side of it).
 2. Per-token costs measured in this process: the incremental detokenizer's ``push``, a one-token
    ``RequestUpdate``'s pickle round trip (what Ray does to every streamed item), one SSE chunk's JSON.
 3. configs/smollm2.yaml served in both modes at once (routes ``/aggregated`` and ``/disagg``, the
@@ -19,6 +23,8 @@
 
    c = 1: requests alternate between the modes; c = 8: each mode in turn. Prompts of 400 random
    characters (~235 SmolLM2 tokens), 64 output tokens, ignore_eos (issue 29's client, bench.serve.client).
+   ``--ingress haproxy`` (the default) puts HAProxy and each ingress replica's own HTTP server where
+   Serve's Python proxy is (``--ingress proxy``; bench.serve.compare.INGRESSES).
 
 Every process runs on the same cores, so a hop's CPU also slows the others' (the step above all):
 compare the step under serving with (1). Writes ``serve_path.json``; the load (``uptime``) is in it.
@@ -32,6 +38,7 @@ import json
 import os
 import pickle
 import random
+import signal
 import time
 
 import psutil
@@ -39,7 +46,7 @@ import psutil
 from bench.common import ainterleave, median, print_table, progress, torch_threads, write_json
 from bench.peer_llamacpp import AGGREGATED
 from bench.serve.client import RequestResult, run_alternating, run_load
-from bench.serve.compare import serving
+from bench.serve.compare import INGRESSES, serving
 from bench.serve.stats import percentiles_ms, summarize
 from bench.serve.trace import make_trace
 
@@ -61,20 +68,54 @@ HOPS = (("step", "step_start", "step_end"), ("loop wakeup", "step_end", "loop_ge
 IDLE_S = 15.0  # how long the idle CPU of every process is measured, after the warm-up
 SIZES = {"full": dict(input_len=400, output_len=64, requests={1: 16, 8: 64}),
          "quick": dict(input_len=400, output_len=32, requests={1: 4, 8: 16})}
+ROUND = 4  # c = 1 requests per mode between two measurements of the engine alone
 
 
-def engine_step_ms(num_steps: int, prompt_len: int) -> dict[int, float]:
-    """Median batch-1 decode step (ms) of the quantized engine, by torch threads: ``num_steps`` steps after
-    a ``prompt_len``-token prompt, the contexts the served c = 1 requests decode at."""
-    from bench.quant_ab import make_engine, steps_of
+class AloneStep:
+    """The quantized engine's batch-1 decode step (median ms), by torch threads: ``num_steps`` steps after a
+    ``prompt_len``-token prompt, the contexts the served c = 1 requests decode at."""
 
-    prompt = [random.Random(0).randrange(1000, 40000) for _ in range(prompt_len)]
-    engine, steps = make_engine("auto", prompt_len + 4 * (num_steps + 2)), {}
-    for threads in (1, 2):
+    def __init__(self, num_steps: int, prompt_len: int):
+        from bench.quant_ab import make_engine
+
+        self.num_steps = num_steps
+        self.prompt = [random.Random(0).randrange(1000, 40000) for _ in range(prompt_len)]
+        self.engine = make_engine("auto", prompt_len + 4 * (num_steps + 2))
+        self.count = [0]
+        self.cpu_s = self.wall_s = 0.0  # spent in ms_with_stopped: not the served phase's
+
+    def ms(self, threads: int) -> float:
+        from bench.quant_ab import steps_of
+
         with torch_threads(threads):
-            steps_of(engine, prompt, 2, [threads])  # warm
-            steps[threads] = median(steps_of(engine, prompt, num_steps, [10 + threads])[1]) * 1e3
-    return steps
+            steps_of(self.engine, self.prompt, 2, self.count)  # warm
+            return median(steps_of(self.engine, self.prompt, self.num_steps, self.count)[1]) * 1e3
+
+    def ms_with_stopped(self, pids: list[int]) -> float:
+        """The 2-thread step with every process in ``pids`` stopped (SIGSTOP, then SIGCONT whatever happens):
+        Ray's and Serve's processes and their timers off the cores, as before Ray started."""
+        stopped, cpu, wall = [], time.process_time(), time.monotonic()
+        try:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                except ProcessLookupError:
+                    pass
+            return self.ms(2)
+        finally:
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            self.cpu_s += time.process_time() - cpu
+            self.wall_s += time.monotonic() - wall
+
+
+def serving_pids() -> list[int]:
+    """Every process this one started (Ray's, Serve's, HAProxy), not this one."""
+    return [process.pid for process in psutil.Process().children(recursive=True)]
 
 
 def served_prompt_len(sizes: dict) -> int:
@@ -170,20 +211,49 @@ def cpu_ms_per_token(before: dict[str, float], after: dict[str, float], runs: di
     return dict(sorted(out.items(), key=lambda item: -item[1]["all"]))
 
 
-def measure(urls: dict[str, str], sizes: dict, concurrencies: list[int], max_seconds: float) -> dict:
+def alternating_rounds(urls: dict[str, str], trace: list, max_seconds: float,
+                       alone: AloneStep | None) -> tuple[dict, dict]:
+    """c = 1: requests alternating between the modes, in rounds of ROUND; with ``alone``, the engine's step is
+    measured before the first round and after each (serving stopped). Returns (runs, interleaved figures)."""
+    pids = serving_pids()
+    steps = [alone.ms_with_stopped(pids)] if alone else []
+    runs: dict[str, tuple[list[RequestResult], float]] = {mode: ([], 0.0) for mode in urls}
+    ratios: dict[str, list[float]] = {mode: [] for mode in urls}
+    for first in range(0, len(trace), ROUND):
+        round_runs = asyncio.run(run_alternating(urls, MODEL, trace[first:first + ROUND], max_seconds))
+        if alone:
+            steps.append(alone.ms_with_stopped(pids))
+        for mode, (results, elapsed) in round_runs.items():
+            runs[mode] = (runs[mode][0] + results, runs[mode][1] + elapsed)
+            itl = summarize(results, elapsed)["itl_ms"]["p50"]
+            if alone and itl is not None:
+                ratios[mode].append(itl / ((steps[-2] + steps[-1]) / 2))
+    interleaved = {"engine_step_ms": steps, "engine_step_ms_median": median(steps) if steps else None,
+                   "itl_over_step_by_round": ratios,
+                   "itl_over_step_median": {mode: median(r) if r else None for mode, r in ratios.items()}}
+    return runs, interleaved
+
+
+def measure(urls: dict[str, str], sizes: dict, concurrencies: list[int], max_seconds: float,
+            alone: AloneStep | None) -> dict:
     idle_rates = idle_cpu_rates(IDLE_S)
     out: dict[str, dict] = {"idle cpu ms per s": {name: 1e3 * rate for name, rate in idle_rates.items()}}
     for c in concurrencies:
         trace = make_trace(sizes["requests"][c], sizes["input_len"], sizes["output_len"], spread=0.0, seed=c)
         cpu_before, started = cpu_seconds(), time.monotonic()
+        alone_cpu_s, alone_wall_s = (alone.cpu_s, alone.wall_s) if alone else (0.0, 0.0)
         if c == 1:
-            runs = asyncio.run(run_alternating(urls, MODEL, trace, max_seconds))
+            runs, out["interleaved c=1"] = alternating_rounds(urls, trace, max_seconds, alone)
         else:
             candidates = {mode: (lambda url=url, mode=mode, trace=trace, c=c:
                                  run_load(url, MODEL, trace, c, max_seconds, mode)) for mode, url in urls.items()}
             runs = {mode: rs[0] for mode, rs in asyncio.run(ainterleave(1, candidates)).items()}
-        wall_s = time.monotonic() - started
-        load, cpu = os.getloadavg(), cpu_ms_per_token(cpu_before, cpu_seconds(), runs, wall_s, idle_rates)
+        cpu_after = cpu_seconds()
+        if alone:  # the engine-alone measurements ran in this process, the serving ones stopped
+            cpu_after = {name: spent - (alone.cpu_s - alone_cpu_s if name.startswith("client [") else 0.0)
+                         for name, spent in cpu_after.items()}
+        wall_s = time.monotonic() - started - (alone.wall_s - alone_wall_s if alone else 0.0)
+        load, cpu = os.getloadavg(), cpu_ms_per_token(cpu_before, cpu_after, runs, wall_s, idle_rates)
         for mode, (results, elapsed) in runs.items():
             out[f"{mode} c={c}"] = {"summary": summarize(results, elapsed), "hops_ms": breakdown(results),
                                     "load_average": load}
@@ -202,6 +272,13 @@ def print_report(engine_ms: dict[int, float], micro: dict[str, float], runs: dic
             for run, s in runs.items() if "summary" in s]
     print_table("per token, p50 (ms)", ["run", "client ITL", "ITL / engine step (2 threads)", "out tok/s", *names,
                                         "tokens/chunk"], rows)
+    interleaved = runs.get("interleaved c=1")
+    if interleaved and interleaved["engine_step_ms"]:
+        print_table("c = 1, the engine alone between rounds (serving stopped)",
+                    ["mode", "engine step (ms), median", "ITL / step by round", "median"],
+                    [[mode, interleaved["engine_step_ms_median"], " ".join(f"{r:.3f}" for r in ratios),
+                      interleaved["itl_over_step_median"][mode]]
+                     for mode, ratios in interleaved["itl_over_step_by_round"].items()])
     for run, cpu in runs.items():
         if run.startswith("cpu ms per token"):
             print_table(f"{run} (ms; shared processes: over both modes' tokens)",
@@ -221,6 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-engine-step", action="store_true", help="skip (1), the engine's own step")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--port", type=int, default=8291, help="Serve's HTTP port (8000 may be taken)")
+    parser.add_argument("--ingress", default="haproxy", choices=INGRESSES, help="what carries HTTP to the ingress")
     parser.add_argument("--max-seconds", type=float, default=600.0)
     parser.add_argument("--out", default=os.path.join("bench", "out"))
     return parser.parse_args(argv)
@@ -230,16 +308,16 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     sizes = SIZES["quick" if args.quick else "full"]
     modes = args.modes.split(",")
-    engine_ms = ({1: None, 2: None} if args.no_engine_step
-                 else engine_step_ms(sizes["output_len"], served_prompt_len(sizes)))
+    alone = None if args.no_engine_step else AloneStep(sizes["output_len"], served_prompt_len(sizes))
+    engine_ms = {1: None, 2: None} if alone is None else {1: alone.ms(1), 2: alone.ms(2)}
     micro = micro_costs_us()
     progress(f"engine step {engine_ms} ms; per-token costs {json.dumps(micro)}")
     os.environ["WINDSERVE_TRACE_PATH"] = "1"  # before Ray starts: its worker processes inherit it
     with serving({mode: CONFIG for mode in modes}, args.port, args.max_seconds,
-                 {mode: OVERRIDES[mode] for mode in modes}) as urls:
-        runs = measure(urls, sizes, [int(c) for c in args.concurrency.split(",")], args.max_seconds)
+                 {mode: OVERRIDES[mode] for mode in modes}, ingress=args.ingress) as urls:
+        runs = measure(urls, sizes, [int(c) for c in args.concurrency.split(",")], args.max_seconds, alone)
     figures = {"sizes": {**sizes, "requests": {str(k): v for k, v in sizes["requests"].items()}},
-               "engine_step_ms": engine_ms, "per_token_us": micro, "runs": runs}
+               "ingress": args.ingress, "engine_step_ms": engine_ms, "per_token_us": micro, "runs": runs}
     print_report(engine_ms, micro, runs)
     write_json(args.out, "serve_path", figures)
     return figures

@@ -21,6 +21,7 @@ import socket
 import time
 
 import httpx
+import psutil
 
 from bench.common import ainterleave, print_table, progress, ratio, start_ray, write_json, write_plot
 from bench.serve.client import RequestResult, run_alternating, run_load
@@ -74,17 +75,49 @@ def load_serve_config(path: str) -> tuple[dict, dict]:
     return application, config.get("http_options", {})
 
 
+# How HTTP reaches the ingress replica: Serve's Python proxy actor, or HAProxy forwarding to the replica's own
+# HTTP server (Serve's direct ingress, RAY_SERVE_ENABLE_HA_PROXY=1; the binary comes with ray[serve] on Linux)
+INGRESSES = ("proxy", "haproxy")
+
+
+@contextlib.contextmanager
+def ingress_environment(ingress: str):
+    """RAY_SERVE_ENABLE_HA_PROXY as ``ingress`` needs it, while Ray starts (its processes inherit it) and runs."""
+    import sys
+
+    if ingress not in INGRESSES:
+        raise ValueError(f"ingress must be one of {INGRESSES}, not {ingress!r}")
+    wanted, before = ("1" if ingress == "haproxy" else "0"), os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")
+    constants = sys.modules.get("ray.serve._private.constants")  # read once, when Serve is first imported
+    if constants is not None and constants.RAY_SERVE_ENABLE_HA_PROXY != (wanted == "1"):
+        raise RuntimeError(f"Ray Serve was imported in this process before ingress={ingress!r} was chosen")
+    os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = wanted
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("RAY_SERVE_ENABLE_HA_PROXY", None)
+        else:
+            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = before
+
+
 @contextlib.contextmanager
 def serving(configs: dict[str, str], port: int | None, max_seconds: float, overrides: dict[str, dict] | None = None,
-            worker_options: dict[str, dict] | None = None):
+            worker_options: dict[str, dict] | None = None, ingress: str = "proxy"):
     """Serve every config at once (Ray started here, Serve on 127.0.0.1); yields {mode: base url}.
 
     One config keeps its own route prefix; several get ``/<mode>`` each. ``overrides[mode]``
     replaces some of that config's args (the same path may then be served twice, differing
     only there); ``worker_options[mode]`` is build_app_with's, by worker deployment name. Each
     is warmed up (first requests pay one-time costs); Serve and Ray are shut down on the
-    way out.
+    way out. ``ingress`` (INGRESSES) picks what carries HTTP to the ingress replicas.
     """
+    with ingress_environment(ingress):
+        yield from _serving(configs, port, max_seconds, overrides, worker_options)
+
+
+def _serving(configs: dict[str, str], port: int | None, max_seconds: float, overrides: dict[str, dict] | None,
+             worker_options: dict[str, dict] | None):
     import ray
     from ray import serve
 
@@ -116,8 +149,22 @@ def serving(configs: dict[str, str], port: int | None, max_seconds: float, overr
         progress(f"serving {', '.join(configs.values())}: healthy and warm after {time.monotonic() - started:.0f}s")
         yield {mode: f"{url}/v1" for mode, url in urls.items()}
     finally:
+        haproxies = haproxy_processes()
         serve.shutdown()
         ray.shutdown()
+        for process in haproxies:  # Serve stops it; one its manager could not stop would keep the port
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+
+
+def haproxy_processes() -> list[psutil.Process]:
+    """The HAProxy processes among this process's descendants (Serve's HAProxy ingress)."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if process.name() == "haproxy":
+                found.append(process)
+    return found
 
 
 def merged(runs: list[tuple[list[RequestResult], float]]) -> tuple[list[RequestResult], float]:
