@@ -13,6 +13,8 @@ the same weights (llama-quantize --allow-requantize ... F32). llama-server is bu
     windserve-in-ingress    windserve-aggregated with engine_in_ingress: no worker replica between
                             the engine and the HTTP response (app.local_backend)      Q4_1 kept quantized
 
+windserve's HTTP reaches its ingress replica through Serve's HAProxy ingress (``--ingress haproxy``, the
+default: HAProxy forwards to the replica's own HTTP server) or Serve's Python proxy (``--ingress proxy``).
 One server at a time (never two loading the CPU at once). Client: closed loop, ``c`` streaming chat
 requests in flight, distinct seeded random prompts of about 400 tokens (chat template included), 64 output
 tokens with ignore_eos; 16 requests at c = 1, 64 at c = 8 (--quick: 4 and 16). Every request must report
@@ -31,7 +33,7 @@ import random
 from bench.common import print_table, progress, ratio, write_json
 from bench.llamacpp import free_port, healthy_llama_server
 from bench.serve.client import RequestResult, run_load
-from bench.serve.compare import serving
+from bench.serve.compare import INGRESSES, serving
 from bench.serve.stats import summarize
 from bench.serve.trace import RequestSpec, make_trace, random_text
 
@@ -64,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="an llama-server binary to run (llama-quantize next to it) instead of building one")
     parser.add_argument("--cache-dir", default=None, help="where llama.cpp is built (~/.cache/windserve/llama.cpp)")
     parser.add_argument("--rebuild", action="store_true", help="download the newest sdist and build it again")
+    parser.add_argument("--ingress", default="haproxy", choices=INGRESSES,
+                        help="what carries HTTP to windserve's ingress replica (bench.serve.compare.INGRESSES)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-seconds", type=float, default=900.0, help="bound of one load run")
     parser.add_argument("--out", default=os.path.join("bench", "results"))
@@ -137,7 +141,7 @@ def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args, attem
     overrides = {system: WINDSERVE_OVERRIDES[system]} if system in WINDSERVE_OVERRIDES else None
     for attempt in range(1, attempts + 1):
         try:
-            with serving({system: CONFIG}, free_port(), args.max_seconds, overrides) as urls:
+            with serving({system: CONFIG}, free_port(), args.max_seconds, overrides, ingress=args.ingress) as urls:
                 return {c: asyncio.run(run_load(urls[system], MODEL, trace, c, args.max_seconds, f"{system} c={c}",
                                                 chat=True, keepalive=False)) for c, trace in traces.items()}
         except (ActorDiedError, RayTaskError) as exc:
@@ -225,7 +229,8 @@ def prepare_llamacpp(args) -> dict:
     quantize = os.path.join(os.path.dirname(binary), "llama-quantize")
     q4_1 = smollm2_gguf_path()
     f32 = llamacpp.ensure_f32(quantize, q4_1, cache_dir) if "llamacpp-f32" in args.systems else None
-    return {"llama_server": binary, "log_dir": os.path.join(cache_dir, "logs"), "llamacpp_version": version,
+    return {"windserve_ingress": args.ingress, "llama_server": binary, "log_dir": os.path.join(cache_dir, "logs"),
+            "llamacpp_version": version,
             "q4_1_gguf": q4_1, "f32_gguf": f32,
             "f32_method": "llama-quantize --allow-requantize <Q4_1 file> <out> F32"}
 
