@@ -102,6 +102,7 @@ class AloneStep:
                     stopped.append(pid)
                 except ProcessLookupError:
                     pass
+            wait_stopped(stopped)
             return self.ms(2)
         finally:
             for pid in stopped:
@@ -111,6 +112,21 @@ class AloneStep:
                     pass
             self.cpu_s += time.process_time() - cpu
             self.wall_s += time.monotonic() - wall
+
+
+def wait_stopped(pids: list[int], timeout_s: float = 1.0) -> None:
+    """Until every process in ``pids`` is in state T (a signal lands when its process next runs in the kernel),
+    or has exited, or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                    if f.read().rpartition(")")[2].split()[0] in ("T", "t", "Z", "X"):
+                        break
+            except OSError:
+                break
+            time.sleep(0.001)
 
 
 def serving_pids() -> list[int]:

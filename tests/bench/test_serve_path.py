@@ -55,3 +55,43 @@ def test_itl_over_step():
     assert serve_path.itl_over_step(12.0, 10.0) == pytest.approx(1.2)
     assert serve_path.itl_over_step(None, 10.0) is None
     assert serve_path.itl_over_step(12.0, None) is None  # --no-engine-step
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state in /proc/<pid>/stat: T while stopped."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rpartition(")")[2].split()[0]
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_engine_alone_is_measured_with_the_serving_processes_stopped_then_resumed(fails):
+    import subprocess
+    import sys
+
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    seen = []
+
+    def ms(threads: int) -> float:
+        seen.append((threads, [process_state(p.pid) for p in spinners]))
+        if fails:
+            raise RuntimeError("the engine failed mid-measurement")
+        return 9.5
+
+    alone = object.__new__(serve_path.AloneStep)  # no engine: ms() is the measurement under test here
+    alone.cpu_s = alone.wall_s = 0.0
+    alone.ms = ms
+    try:
+        if fails:
+            with pytest.raises(RuntimeError):
+                alone.ms_with_stopped([spinners[0].pid, gone.pid, spinners[1].pid])
+        else:
+            assert alone.ms_with_stopped([spinners[0].pid, gone.pid, spinners[1].pid]) == 9.5
+        assert seen == [(2, ["T", "T"])]  # both stopped while the step was measured (a dead pid skipped)
+        assert all(process_state(p.pid) != "T" for p in spinners)  # and running again after, raise or not
+        assert alone.wall_s > 0.0
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
