@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import sys
 import time
 
 import httpx
@@ -83,8 +84,6 @@ INGRESSES = ("proxy", "haproxy")
 @contextlib.contextmanager
 def ingress_environment(ingress: str):
     """RAY_SERVE_ENABLE_HA_PROXY as ``ingress`` needs it, while Ray starts (its processes inherit it) and runs."""
-    import sys
-
     if ingress not in INGRESSES:
         raise ValueError(f"ingress must be one of {INGRESSES}, not {ingress!r}")
     wanted, before = ("1" if ingress == "haproxy" else "0"), os.environ.get("RAY_SERVE_ENABLE_HA_PROXY")
@@ -157,10 +156,10 @@ def _serving(configs: dict[str, str], port: int | None, max_seconds: float, over
                 process.kill()
 
 
-def haproxy_processes() -> list[psutil.Process]:
-    """The HAProxy processes among this process's descendants (Serve's HAProxy ingress)."""
+def haproxy_processes(parent: psutil.Process | None = None) -> list[psutil.Process]:
+    """The HAProxy processes among ``parent``'s descendants (default: this process's; Serve's HAProxy ingress)."""
     found = []
-    for process in psutil.Process().children(recursive=True):
+    for process in (parent or psutil.Process()).children(recursive=True):
         with contextlib.suppress(psutil.Error):
             if process.name() == "haproxy":
                 found.append(process)

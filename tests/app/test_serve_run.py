@@ -24,6 +24,7 @@ import psutil
 import pytest
 import yaml
 
+from bench.serve.compare import haproxy_processes
 from tests.app.fakes import wait_until
 from tests.serving import free_port
 
@@ -58,7 +59,7 @@ def serve_run(tmp_path: Path, config_name: str, env: dict[str, str]):
         assert models() == ["windserve-tiny"]
         yield port, client
     finally:
-        descendants = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        haproxies = haproxy_processes(psutil.Process(proc.pid)) if proc.poll() is None else []
         os.killpg(proc.pid, signal.SIGTERM)  # serve run in a non-interactive shell ignores SIGINT
         try:
             proc.wait(timeout=60)
@@ -66,10 +67,9 @@ def serve_run(tmp_path: Path, config_name: str, env: dict[str, str]):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
-        for process in descendants:  # HAProxy outlives a killed `serve run` (its own process group)
+        for process in haproxies:  # HAProxy outlives a killed `serve run` (its own process group)
             with contextlib.suppress(psutil.Error):
-                if process.name() == "haproxy":
-                    process.kill()
+                process.kill()
 
 
 def listener(port: int) -> psutil.Process:

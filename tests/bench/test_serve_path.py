@@ -11,7 +11,7 @@ import pytest
 
 from app.config import AppConfig
 from app.serve_app import build_app_with
-from bench import serve_path
+from bench import engine_alone, serve_path
 from bench.serve.compare import load_serve_config
 from bench.serve.trace import make_trace
 from engine.model_registry import resolve_model_path
@@ -79,7 +79,7 @@ def test_the_engine_alone_is_measured_with_the_serving_processes_stopped_then_re
             raise RuntimeError("the engine failed mid-measurement")
         return 9.5
 
-    alone = object.__new__(serve_path.AloneStep)  # no engine: ms() is the measurement under test here
+    alone = object.__new__(engine_alone.AloneStep)  # no engine: ms() is the measurement under test here
     alone.cpu_s = alone.wall_s = 0.0
     alone.ms = ms
     try:
