@@ -271,7 +271,8 @@ EOF
 
 write_graph_check() {
   cat > "$WORK/graph_timing.py" <<'EOF'
-"""Decode-step time on DEVICE with CUDA graphs and without (enforce_eager), windserve-tiny, batch 1 and 64."""
+"""Decode-step time on DEVICE eager (enforce_eager), with CUDA graphs, and with graphs and overlapped steps
+(async_scheduling), windserve-tiny, batch 1 and 64."""
 import os
 import statistics
 import time
@@ -302,22 +303,24 @@ def decode_step_ms(llm: LLM, batch: int) -> float:
     return 1000 * statistics.median(times)
 
 
+MODES = {"eager": dict(enforce_eager=True), "graph": dict(async_scheduling=False),
+         "graph_async": dict(async_scheduling=True)}
 for dtype in ("float32", "bfloat16"):
     results = {}
-    for eager in (True, False):
-        llm = LLM(path, device=DEVICE, dtype=dtype, tokens_per_block=16, max_num_seqs=64, enforce_eager=eager,
-                  use_static_buffers=True)
+    for mode, options in MODES.items():
+        llm = LLM(path, device=DEVICE, dtype=dtype, tokens_per_block=16, max_num_seqs=64, use_static_buffers=True,
+                  **options)
         graphs = llm.engine.runner.static.graphs
         if graphs is not None:
             print(f"dtype={dtype} captured {graphs.stats['num_graphs']} graphs in {graphs.stats['capture_s']:.2f} s, "
                   f"{graphs.stats['memory_bytes'] / 2**20:.1f} MiB")
         decode_step_ms(llm, 4)  # warm up
         for batch in (1, 64):
-            results[eager, batch] = decode_step_ms(llm, batch)
+            results[mode, batch] = decode_step_ms(llm, batch)
     for batch in (1, 64):
-        eager_ms, graph_ms = results[True, batch], results[False, batch]
+        eager_ms, graph_ms, async_ms = (results[mode, batch] for mode in MODES)
         print(f"graph_timing dtype={dtype} batch={batch} eager_ms={eager_ms:.3f} graph_ms={graph_ms:.3f} "
-              f"speedup={eager_ms / graph_ms:.2f}x")
+              f"graph_async_ms={async_ms:.3f} speedup={eager_ms / graph_ms:.2f}x async/graph={graph_ms / async_ms:.2f}x")
 EOF
 }
 

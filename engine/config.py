@@ -89,6 +89,9 @@ class EngineConfig:
     ``use_static_buffers`` runs decode and verify steps over fixed buffers with device sampling
     (engine.gpu; None: on CUDA only, True forces it, eagerly, on the CPU too); there
     ``enforce_eager`` (vLLM's name) turns CUDA graphs off. The CPU never captures graphs.
+    ``async_scheduling`` (vLLM's name) launches each plain decode step before the host reads the
+    previous one's samples (engine.overlap): None is on where CUDA graphs run and nothing is drafted,
+    True forces it on the static path (on the CPU too, where it gains nothing: the tests' setting).
     """
 
     model: str = "windserve-tiny"
@@ -109,6 +112,7 @@ class EngineConfig:
     prefill_dtype: str = "float32"
     use_static_buffers: bool | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -32,10 +32,12 @@ import torch
 
 from engine.batch_sampling import sample_batch
 from engine.config import EngineConfig, max_model_len
+from engine.gpu.static_runner import StaticStepRunner
 from engine.handoff import is_handoff_due, prefill_result, reused_tokens
 from engine.host_memory import keep_freed_memory
 from engine.layout import kv_cache_spec
 from engine.outputs import FinishReason, RequestUpdate, TokenLogprob, num_kv_tokens
+from engine.overlap import InFlight, may_overlap, schedule_ahead
 from engine.params import SamplingParams
 from engine.reports import engine_stats, routing_stats
 from engine.request import Request
@@ -47,6 +49,18 @@ from engine.stopping import StopChecker
 from engine.tokenizer import IncrementalDecoder
 from engine.worker_model import WorkerModel
 from kvcache import KVCacheManager, extend_block_hashes, kv_fingerprint
+
+
+def uses_async_scheduling(config: EngineConfig, static: StaticStepRunner | None, draft_len: int) -> bool:
+    """``config.async_scheduling`` resolved: None is on where CUDA graphs run decode steps without
+    drafts; True needs the static path and no speculative decoding (engine.overlap)."""
+    if config.async_scheduling is None:
+        return static is not None and static.graphs is not None and draft_len == 0
+    if config.async_scheduling and static is None:
+        raise ValueError("async_scheduling needs the static decode path (use_static_buffers; on CUDA by default)")
+    if config.async_scheduling and draft_len > 0:
+        raise ValueError("async_scheduling does not run with speculative decoding (max_draft_len > 0)")
+    return config.async_scheduling
 
 
 class PromptTooLongError(ValueError):
@@ -79,6 +93,9 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, draft_len=self.draft_len,
                                    num_extra_kv_tokens=self.num_extra_kv_tokens)
         self.runner = ModelRunner(self.model.module, self.manager, self.model.device, static)
+        self.async_scheduling = uses_async_scheduling(config, static, self.draft_len)
+        self._in_flight: InFlight | None = None  # engine.overlap: a launched step not yet collected
+        self.num_steps_launched_ahead = 0  # steps launched before the host read the previous one's samples
         self._requests: dict[str, Request] = {}
         self._stoppers: dict[str, StopChecker] = {}
         self._arrivals = itertools.count()
@@ -124,6 +141,7 @@ class LLMEngine:
         (``engine.handoff.kv_token_ids``). Blocks this cache already holds are
         bound from it (``manager.get_cached_ordinals``): a transfer skips them.
         """
+        self._check_new_id(request_id)
         num_kv = len(kv_token_ids)
         kwargs = dict(num_computed_tokens=num_kv, draft_len=self.draft_len,
                       num_extra_kv_tokens=self.num_extra_kv_tokens, block_hashes=self._prompt_hashes(kv_token_ids))
@@ -170,6 +188,7 @@ class LLMEngine:
                      prefill_only: bool = False) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists")
+        self._check_new_id(request_id)
         self.check_prompt(len(prompt_token_ids))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         generator = None if params.is_greedy else torch.Generator(device="cpu")
@@ -180,6 +199,11 @@ class LLMEngine:
         self._requests[request_id] = request
         self._stoppers[request_id] = StopChecker(request, decoder, self.tokenizer.eos_token_ids, self.max_model_len)
         return request
+
+    def _check_new_id(self, request_id: str) -> None:
+        """An id whose ended request's pages a launched step still holds cannot bind pages yet."""
+        if self._in_flight is not None and request_id in self._in_flight.frees:
+            raise ValueError(f"request {request_id!r} already exists (it ended; a running step still uses its pages)")
 
     def check_prompt(self, prompt_len: int) -> None:
         if prompt_len < 1:
@@ -192,24 +216,59 @@ class LLMEngine:
 
     # -- running ---------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[RequestUpdate]:
-        """Schedule, run the model, postprocess: one update per request that sampled."""
+        """Schedule, run the model, postprocess: one update per request that sampled.
+
+        With ``async_scheduling`` a plain decode step is launched and collected one call later, after
+        the next one has been launched (engine.overlap); each call still returns one step's updates."""
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
+        try:
+            if self._in_flight is not None:
+                return self._step_overlapped()
+            scheduled = self.scheduler.schedule()
+            if not scheduled:
+                return []
+            if self.async_scheduling and self.runner.static.can_run(scheduled) and may_overlap(scheduled,
+                                                                                                self.scheduler):
+                self._in_flight = InFlight.of(self.runner.launch(scheduled))
+                return self._step_overlapped()
+        except BaseException:
+            self._drop_in_flight()
+            raise
         updates = self._postprocess(scheduled, self.runner.run(scheduled))
         if self.scheduler.draft_policy is not None:  # whole steps: drafting and verifying cost Python time too
             self.scheduler.draft_policy.record_step(scheduled, time.perf_counter() - start)
         return updates
+
+    def _step_overlapped(self) -> list[RequestUpdate]:
+        """Launch the step after the in-flight one (if it qualifies), then collect and postprocess the
+        in-flight one; the pages of requests that ended meanwhile go back once nothing launched uses them."""
+        previous = self._in_flight
+        ahead = schedule_ahead(previous.launched.scheduled, self.scheduler, self.max_model_len)
+        self._in_flight = InFlight.of(self.runner.launch(ahead, after=previous.launched)) if ahead else None
+        self.num_steps_launched_ahead += bool(ahead)
+        try:
+            return self._postprocess(previous.launched.scheduled, self.runner.collect(previous.launched))
+        finally:  # collected (or failed): nothing launched uses these pages any more
+            for request_id in previous.frees:
+                self.manager.free(request_id)
+
+    def _drop_in_flight(self) -> None:
+        """After a failed step: forget launched steps and free the pages they held back."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            for request_id in in_flight.frees:
+                self.manager.free(request_id)
 
     def _postprocess(self, scheduled: list[ScheduledRequest], output: RunOutput) -> list[RequestUpdate]:
         sampled = output.samples.sampled if output.samples else sample_batch(self.sampler, scheduled, output)
         updates: list[RequestUpdate | None] = []
         for i, (item, span) in enumerate(zip(scheduled, output.spans)):
             request = item.request
+            if request.is_finished:  # an overlapped step's row of a request that ended after its launch
+                continue
             request.num_computed_tokens += item.num_new_tokens
             if span is None:  # a prefill chunk short of the prompt's end: nothing to sample yet
                 self._cache_computed(request)
@@ -275,7 +334,10 @@ class LLMEngine:
         return existed
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        self.scheduler.finish(request, reason)
+        held = self._in_flight is not None and request.request_id in self._in_flight.request_ids
+        self.scheduler.finish(request, reason, free_pages=not held)
+        if held:  # a launched step still writes its pages: freed when that step is collected
+            self._in_flight.frees.append(request.request_id)
         self._requests.pop(request.request_id, None)
         self._stoppers.pop(request.request_id, None)
 

@@ -19,6 +19,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "num_total_pages": engine.manager.num_total_pages(),
         "num_preemptions": engine.scheduler.num_preemptions,
         "num_forward_passes": engine.runner.num_forward_passes,
+        "num_steps_launched_ahead": engine.num_steps_launched_ahead,
         "num_drafts_proposed": engine.num_drafts_proposed,
         "num_drafts_accepted": engine.num_drafts_accepted,
         **_prefix_cache_stats(engine),

@@ -20,7 +20,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.forward import ForwardBatch, positions_of
-from engine.gpu.static_runner import StaticStepRunner, StepSamples
+from engine.gpu.static_runner import LaunchedStep, StaticStepRunner, StepSamples
 from engine.gpu.step_buffers import StepShape
 from engine.native import paged_decode_kernel, set_pool_yields_kernel
 from engine.scheduler import ScheduledRequest
@@ -65,6 +65,17 @@ class ModelRunner:
             return RunOutput(*self.static.run(scheduled))
         batch, spans = self._build(scheduled)
         return RunOutput(self.model(batch).float(), spans)
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledRequest], after: LaunchedStep | None = None) -> LaunchedStep:
+        """A static step queued on the device, collected later (engine.overlap); ``after``: the step
+        launched before it and not collected, whose samples are this one's input tokens."""
+        self.num_forward_passes += 1
+        return self.static.launch(scheduled, after)
+
+    def collect(self, step: LaunchedStep) -> RunOutput:
+        """A launched step's output, once its samples are on the host."""
+        return RunOutput(*self.static.collect(step))
 
     def _build(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, list[tuple[int, int] | None]]:
         input_ids: list[int] = []

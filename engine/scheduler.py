@@ -172,12 +172,14 @@ class Scheduler:
         self.running.remove(request)
         request.status = Status.PARKED
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """End a request wherever it is (waiting, running or parked) and free its pages."""
+    def finish(self, request: Request, reason: FinishReason, free_pages: bool = True) -> None:
+        """End a request wherever it is (waiting, running or parked) and free its pages (unless
+        ``free_pages`` is False: a launched step still uses them, and the engine frees them later)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.finish_reason = reason
         request.status = Status.FINISHED
-        self.manager.free(request.request_id)
+        if free_pages:
+            self.manager.free(request.request_id)

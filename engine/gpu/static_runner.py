@@ -1,8 +1,11 @@
 """A decode or verify step over fixed buffers: stage, run (a CUDA graph replay, or eagerly), sample on the device.
 
-    scheduled ──► StepRequest per request ──► StaticStepBuffers.fill + upload (one host->device copy)
-              ──► CudaGraphs.replay(size) or forward_static eagerly ──► logits [live tokens, V]
-              ──► sample_tokens, accepted_drafts, logprobs ──► one device->host copy ──► StepSamples
+    launch:  scheduled ──► StepRequest per request ──► StaticStepBuffers.fill + upload (one host->device copy)
+                       ──► CudaGraphs.replay(size) or forward_static eagerly ──► logits [live tokens, V]
+                       ──► sample_tokens, accepted_drafts, logprobs ──► one queued device->host copy
+    collect: wait for that copy ──► StepSamples
+
+``run`` is launch then collect. engine.overlap launches step n+1 before collecting step n.
 
 Steps qualify when every request brings one new token (plus drafts): prefill and mixed steps run
 the plan-based path (engine.runner decides). The draws are engine.gpu.sampling's counter-based ones;
@@ -33,6 +36,18 @@ class StepSamples(NamedTuple):
     verified: list[VerifyResult | None]
 
 
+class LaunchedStep(NamedTuple):
+    """A static step whose device work is queued (``StaticStepRunner.launch``): its samples, packed, reach
+    ``host`` once ``copied`` fires (None: already there, on the CPU). ``collect`` reads them."""
+
+    scheduled: list[ScheduledRequest]
+    logits: torch.Tensor
+    spans: list[tuple[int, int]]
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+    num_top: int | None
+
+
 class StaticStepRunner:
     """Owns the buffers, the RoPE table and (on CUDA, unless eager) the captured graphs."""
 
@@ -57,7 +72,16 @@ class StaticStepRunner:
 
     def run(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, list[tuple[int, int]], StepSamples]:
         """Logits of the live tokens [T, V], each request's rows of them, and the device's samples."""
-        size = self.buffers.fill([self._step_request(item) for item in scheduled])
+        return self.collect(self.launch(scheduled))
+
+    def launch(self, scheduled: list[ScheduledRequest], after: LaunchedStep | None = None) -> LaunchedStep:
+        """Stage, upload, replay (or run eagerly) and sample, then queue the samples' one copy to the host;
+        on a GPU this returns while the device still works. ``after``: the step launched just before,
+        whose samples the host has not read: each request here is one of its requests one token on, its
+        input token the one ``after`` sampled for it (engine.overlap)."""
+        sources = {item.request.request_id: first for item, (first, _) in zip(after.scheduled, after.spans)} \
+            if after is not None else None
+        size = self.buffers.fill([self._step_request(item, sources) for item in scheduled])
         self.buffers.upload()
         if self.graphs is not None and self.graphs.has(size):
             logits = self.graphs.replay(size)
@@ -69,24 +93,36 @@ class StaticStepRunner:
             spans.append((first, first + item.num_query_tokens))
             first += item.num_query_tokens
         self.num_steps += 1
-        return logits, spans, self._sample(logits, scheduled, spans)
+        return self._sample(logits, scheduled, spans)
 
-    def _step_request(self, item: ScheduledRequest) -> StepRequest:
+    def collect(self, step: LaunchedStep) -> tuple[torch.Tensor, list[tuple[int, int]], StepSamples]:
+        """Wait for a launched step's samples on the host (the step's one sync) and unpack them."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        samples = _unpack(step.host.tolist(), step.scheduled, step.spans, step.num_top)
+        return step.logits, step.spans, samples
+
+    def _step_request(self, item: ScheduledRequest, sources: dict[str, int] | None) -> StepRequest:
         request, params = item.request, item.request.params
-        start = request.num_computed_tokens
-        pending = (request.prompt_token_ids[start] if start < request.num_prompt_tokens
-                   else request.output_token_ids[start - request.num_prompt_tokens])
+        start, first_output, sampled_from = request.num_computed_tokens, request.num_output_tokens, -1
+        if sources is not None:  # one token past what the host knows: the pending token is still on the device
+            start, first_output, sampled_from = start + 1, first_output + 1, sources[request.request_id]
+            pending = 0
+        elif start < request.num_prompt_tokens:
+            pending = request.prompt_token_ids[start]
+        else:
+            pending = request.output_token_ids[start - request.num_prompt_tokens]
         tables = {group: self.manager.get_block_ordinals(request.request_id, group) for group in self.buffers.groups}
         return StepRequest(request.request_id, [pending, *item.draft_token_ids], start, tables,
                            0.0 if params.is_greedy else params.temperature, params.top_p, params.top_k,
-                           request.seed, request.num_output_tokens)
+                           request.seed, first_output, sampled_from)
 
     def _forward(self, size: int) -> torch.Tensor:
         return static_forward(self.model, self.buffers, size, self.rope_table, self.manager.storage.tensors)
 
     def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledRequest],
-                spans: list[tuple[int, int]]) -> StepSamples:
-        """Draw every live token's sample and verify drafts on the device, then one copy to the host."""
+                spans: list[tuple[int, int]]) -> LaunchedStep:
+        """Draw every live token's sample and verify drafts on the device, then queue one copy to the host."""
         num_tokens, buffers = logits.shape[0], self.buffers
         params = [item.request.params for item in scheduled]
         rows = SamplingRows(buffers.float_view("temperature", num_tokens), buffers.token_view("top_k", num_tokens),
@@ -94,6 +130,7 @@ class StaticStepRunner:
                             buffers.token_view("counters", num_tokens))
         ids = sample_tokens(logits, rows, is_greedy=all(p.is_greedy for p in params),
                             is_filtered=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params))
+        buffers.keep_samples(ids)
         parts = [ids]
         if any(item.draft_token_ids for item in scheduled):
             parts.append(accepted_drafts(ids, buffers.token_view("input_ids", num_tokens),
@@ -103,8 +140,14 @@ class StaticStepRunner:
         if num_top is not None:
             chosen, values, top_ids = top_logprobs(logits, ids, num_top)
             parts += [chosen, values.flatten(), top_ids.flatten()]
-        host = torch.cat([part.double() for part in parts]).tolist()  # the step's one device->host copy
-        return _unpack(host, scheduled, spans, num_top)
+        packed = torch.cat([part.double() for part in parts])
+        if not packed.is_cuda:
+            return LaunchedStep(scheduled, logits, spans, packed, None, num_top)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)  # the step's one device->host copy
+        copied = torch.cuda.Event()
+        copied.record()
+        return LaunchedStep(scheduled, logits, spans, host, copied, num_top)
 
 
 def static_forward(model: torch.nn.Module, buffers: StaticStepBuffers, size: int,
@@ -116,7 +159,7 @@ def static_forward(model: torch.nn.Module, buffers: StaticStepBuffers, size: int
         block_tables={group: buffers.views["tables", group] for group in buffers.groups},
         slots={group: buffers.views["slots", group][:size].long() for group in buffers.groups},
     )
-    return model.forward_static(buffers.token_view("input_ids", size).long(), static, rope_table, kv_caches)
+    return model.forward_static(buffers.input_ids(size).long(), static, rope_table, kv_caches)
 
 
 def _unpack(host: list[float], scheduled: list[ScheduledRequest], spans: list[tuple[int, int]],

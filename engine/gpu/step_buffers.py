@@ -8,6 +8,11 @@ in tensors that never move. Tokens are laid out flat, request after request, pad
     position        40 |  9 10 11  |  77  | -1 (reads nothing, writes nothing)
     token offset    0  |  0  1  2  |  0   | -1   (1 + drafts of row 1: offsets 0..2)
 
+A request whose first token the previous step sampled on the device and the host has not read yet
+(an overlapped step, engine.overlap) names that token's index in the previous step in ``sampled_from``;
+the step reads it from ``last_sampled`` (what the previous step's sampling left on the device) in place
+of ``input_ids``. Everywhere else ``sampled_from`` is -1.
+
 Per layer group: ``block_tables[row, i]`` = the page of ordinal ``i`` (-1 unbound; rows past the live
 requests all -1) and ``slots[t] = page * B + position % B`` (-1: write nothing). Every field is a
 view of one int32 tensor, staged on the host (pinned on a GPU) and moved with one copy; floats
@@ -23,9 +28,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-_TOKEN_FIELDS = ("input_ids", "positions", "table_rows", "token_offsets", "top_k", "temperature", "top_p",
-                 "seed_lo", "seed_hi", "counters")
-_PADDING = {"positions": -1, "table_rows": -1, "token_offsets": -1, "top_p": np.float32(1.0).view(np.int32)}
+_TOKEN_FIELDS = ("input_ids", "sampled_from", "positions", "table_rows", "token_offsets", "top_k", "temperature",
+                 "top_p", "seed_lo", "seed_hi", "counters")
+_PADDING = {"sampled_from": -1, "positions": -1, "table_rows": -1, "token_offsets": -1,
+            "top_p": np.float32(1.0).view(np.int32)}
 _SEED_MASK = (1 << 31) - 1
 
 
@@ -66,6 +72,7 @@ class StepRequest(NamedTuple):
     top_k: int = 0
     seed: int = 0
     first_output: int = 0
+    sampled_from: int = -1  # >= 0: the first token is what the previous step sampled at this token index
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,7 @@ class StaticStepBuffers:
         self.flat = torch.zeros(total, dtype=torch.int32, device=self.device)
         self.host_views = _carve(self.host.numpy(), self.groups, t, r, m)
         self.views = _carve(self.flat, self.groups, t, r, m)
+        self.last_sampled = torch.zeros(t, dtype=torch.int32, device=self.device)  # the last step's samples
         self.num_tokens = self.num_requests = 0
         self._copied: torch.cuda.Event | None = None  # the last upload's copy, on a GPU
         self.fill([])
@@ -138,6 +146,7 @@ class StaticStepBuffers:
         positions = np.arange(request.first_position, request.first_position + num_new)
         views = self.host_views
         views["input_ids"][token:end] = request.token_ids
+        views["sampled_from"][token] = request.sampled_from
         views["positions"][token:end] = positions
         views["table_rows"][token:end] = row
         views["token_offsets"][token:end] = np.arange(num_new)
@@ -171,6 +180,17 @@ class StaticStepBuffers:
                 raise ValueError(f"request {request.name!r}, layer group {group!r}: ordinal {ordinal} "
                                  f"(positions {ordinal * block}..{ordinal * block + block - 1}) is read but unbound")
         return table
+
+    def input_ids(self, num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` input ids on the device, each ``sampled_from`` token taken from
+        ``last_sampled`` (fixed shapes, no host sync: a graph captures it)."""
+        source = self.views["sampled_from"][:num_tokens]
+        sampled = self.last_sampled.index_select(0, source.clamp(min=0))
+        return torch.where(source >= 0, sampled, self.views["input_ids"][:num_tokens])
+
+    def keep_samples(self, ids: torch.Tensor) -> None:
+        """Leave a step's sampled ids [T] on the device for the next step's ``sampled_from`` tokens."""
+        self.last_sampled[: ids.shape[0]].copy_(ids)
 
     def token_view(self, name: str, num_tokens: int) -> torch.Tensor:
         """The device view of a per-token field, its first ``num_tokens`` rows."""

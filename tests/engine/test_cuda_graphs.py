@@ -25,9 +25,9 @@ torch.backends.cudnn.allow_tf32 = False
 B, WIDTH = 4, 16
 
 
-def llm(path: str, draft_len: int, enforce_eager: bool) -> LLM:
+def llm(path: str, draft_len: int, enforce_eager: bool, async_scheduling: bool | None = None) -> LLM:
     return LLM(path, device=CUDA, dtype="float32", tokens_per_block=8, max_draft_len=draft_len, max_num_seqs=8,
-               enforce_eager=enforce_eager)
+               enforce_eager=enforce_eager, async_scheduling=async_scheduling)
 
 
 @pytest.mark.parametrize("draft_len", [0, 3])
@@ -52,6 +52,25 @@ def test_seeded_sampling_is_the_same_with_and_without_graphs(tiny_reference):
     graphed = llm(path, 0, False).generate(prompt_token_ids=prompts, sampling_params=params)
     eager = llm(path, 0, True).generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+def test_overlapped_graph_steps_give_the_same_tokens(tiny_reference):
+    """engine.overlap on the GPU (on by default with graphs): step n+1 replays before the host reads step
+    n's samples; greedy and seeded tokens equal the graphs without overlap, and transformers' greedy."""
+    path, prompts, expected = tiny_reference
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=24, temperature=0.9, top_k=40, seed=s, ignore_eos=True)
+              for s in range(len(prompts))]
+    overlapped, plain = llm(path, 0, False), llm(path, 0, False, async_scheduling=False)
+    assert overlapped.engine.async_scheduling and not plain.engine.async_scheduling
+    got = [o.token_ids for o in overlapped.generate(prompt_token_ids=prompts, sampling_params=greedy)]
+    assert got == [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=greedy)]
+    assert got == expected
+    got = [o.token_ids for o in overlapped.generate(prompt_token_ids=prompts, sampling_params=seeded)]
+    assert got == [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=seeded)]
+    assert overlapped.engine.num_steps_launched_ahead > 20 and plain.engine.num_steps_launched_ahead == 0
+    manager = overlapped.engine.manager
+    assert manager.num_free_pages() == manager.num_total_pages()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])

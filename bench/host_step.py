@@ -1,0 +1,98 @@
+"""The host's share of a static decode step: what overlapped steps (engine.overlap) can hide on a GPU.
+
+    python -m bench.host_step [--concurrency 1 8 64] [--steps 40] [--out bench/out]
+
+Runs windserve-tiny's decode steps on the static path (use_static_buffers, as on a GPU) on the CPU with
+the model's forward replaced by its output for the same padded size, computed once: what is left is
+scheduling, staging the buffers, sampling a fixed logits tensor and postprocessing (stop checks, text,
+pages), i.e. the Python a GPU step waits for unless step n+1 is launched while step n runs. Prints the
+median per concurrency and the split of the largest one (schedule, run, postprocess). A diagnosis: on
+a GPU the real comparison is bench/gpu_check.sh's graph_timing (graphs with and without overlap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from bench.engine_models import available_models, make_llm, mixed_prompts
+from engine import SamplingParams
+from engine.gpu import static_runner
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--out", default=os.path.join("bench", "out"))
+    return parser.parse_args(argv)
+
+
+def cached_forward(real):
+    """``StaticStepRunner._forward`` replaced: the real forward once per padded size, then its output."""
+    outputs = {}
+
+    def forward(runner, size: int):
+        if size not in outputs:
+            outputs[size] = real(runner, size)
+        return outputs[size]
+    return forward
+
+
+def host_step_ms(path: str, concurrency: int, steps: int) -> dict:
+    llm = make_llm(path, concurrency, 256, 2 * steps + 16, use_static_buffers=True, async_scheduling=False)
+    engine = llm.engine
+    for i, prompt in enumerate(mixed_prompts(concurrency, (16, 256), seed=3)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < concurrency:
+        started.update(u.request_id for u in engine.step() if u.new_token_ids)
+    for _ in range(3):
+        engine.step()  # warm-up: the real forward runs once for this padded size
+    split = {"schedule": 0.0, "run": 0.0, "postprocess": 0.0}
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        scheduled = engine.scheduler.schedule()
+        scheduled_at = time.perf_counter()
+        output = engine.runner.run(scheduled)
+        run_at = time.perf_counter()
+        updates = engine._postprocess(scheduled, output)  # what LLMEngine.step does, timed in parts
+        end = time.perf_counter()
+        if len(updates) != concurrency:
+            raise RuntimeError(f"a decode step served {len(updates)} of {concurrency} requests")
+        times.append(end - start)
+        for name, seconds in zip(split, (scheduled_at - start, run_at - scheduled_at, end - run_at)):
+            split[name] += seconds / steps
+    return {"concurrency": concurrency, "host_step_ms": statistics.median(times) * 1e3,
+            **{f"{name}_ms": seconds * 1e3 for name, seconds in split.items()}}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse(argv)
+    tmp = tempfile.mkdtemp(prefix="windserve-host-step-")
+    real = static_runner.StaticStepRunner._forward
+    static_runner.StaticStepRunner._forward = cached_forward(real)
+    try:
+        path = available_models(("windserve-tiny",), tmp)["windserve-tiny"]
+        rows = [host_step_ms(path, c, args.steps) for c in args.concurrency]
+    finally:
+        static_runner.StaticStepRunner._forward = real
+        shutil.rmtree(tmp, ignore_errors=True)
+    for row in rows:
+        print(f"c={row['concurrency']:>3}: host step {row['host_step_ms']:.2f} ms (mean: schedule "
+              f"{row['schedule_ms']:.2f}, run without the forward {row['run_ms']:.2f}, "
+              f"postprocess {row['postprocess_ms']:.2f})")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "host_step.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
