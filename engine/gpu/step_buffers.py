@@ -113,7 +113,8 @@ class StaticStepBuffers:
         On a GPU it first waits for the last upload's copy to have read the staging tensor: a pinned copy
         runs after ``upload`` returns, and restaging under it would send this step's values as the last
         step's. (The step's one device-to-host read of its samples also waits for it; this does not lean
-        on that.)"""
+        on that.) Staged with whole-array numpy writes: the host's time per step is what a GPU waits for
+        (bench.host_step)."""
         if self._copied is not None:
             self._copied.synchronize()
         views = self.host_views
@@ -124,11 +125,10 @@ class StaticStepBuffers:
             views["tables", group].fill(-1)
         if len(requests) > self.shape.max_num_seqs:
             raise ValueError(f"{len(requests)} requests, the buffers hold {self.shape.max_num_seqs}")
-        token = 0
-        for row, request in enumerate(requests):
-            token = self._stage(row, token, request)
-        self.num_requests, self.num_tokens = len(requests), token
-        return choose_bucket(token, self.sizes) if token else 0
+        self.num_requests, self.num_tokens = len(requests), 0
+        if requests:
+            self.num_tokens = self._stage(requests)
+        return choose_bucket(self.num_tokens, self.sizes) if self.num_tokens else 0
 
     def upload(self) -> None:
         """The one host-to-device copy of a step (asynchronous from pinned memory on a GPU)."""
@@ -137,49 +137,66 @@ class StaticStepBuffers:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _stage(self, row: int, token: int, request: StepRequest) -> int:
-        """Request ``request`` at ``row``, its tokens from ``token``; returns the next free token."""
-        num_new = len(request.token_ids)
-        end = token + num_new
-        if end > self.shape.max_tokens:
-            raise ValueError(f"the step's tokens pass the buffers' {self.shape.max_tokens}")
-        positions = np.arange(request.first_position, request.first_position + num_new)
-        views = self.host_views
-        views["input_ids"][token:end] = request.token_ids
-        views["sampled_from"][token] = request.sampled_from
-        views["positions"][token:end] = positions
-        views["table_rows"][token:end] = row
-        views["token_offsets"][token:end] = np.arange(num_new)
-        views["counters"][token:end] = request.first_output + np.arange(num_new)
-        views["top_k"][token:end] = request.top_k
-        views["temperature"][token:end] = np.float32(request.temperature).view(np.int32)
-        views["top_p"][token:end] = np.float32(request.top_p).view(np.int32)
-        views["seed_lo"][token:end] = request.seed & _SEED_MASK
-        views["seed_hi"][token:end] = (request.seed >> 31) & _SEED_MASK
+    def _stage(self, requests: list[StepRequest]) -> int:
+        """Every request's tokens, row after row from token 0; returns the number of tokens."""
+        counts = np.fromiter((len(r.token_ids) for r in requests), np.int64, len(requests))
+        num_tokens = int(counts.sum())
+        if num_tokens > self.shape.max_tokens:
+            raise ValueError(f"the step's {num_tokens} tokens pass the buffers' {self.shape.max_tokens}")
+        rows = np.repeat(np.arange(len(requests)), counts)  # each token's request row
+        firsts = np.cumsum(counts) - counts  # each row's first token
+        offsets = np.arange(num_tokens) - firsts[rows]
+        per_row = np.array([(r.first_position, r.first_output, r.top_k, r.seed & _SEED_MASK,
+                             (r.seed >> 31) & _SEED_MASK, r.sampled_from) for r in requests], dtype=np.int64)
+        floats = np.array([(r.temperature, r.top_p) for r in requests], dtype=np.float32).view(np.int32)
+        positions = per_row[rows, 0] + offsets
+        views, t = self.host_views, slice(0, num_tokens)
+        views["input_ids"][t] = [token for r in requests for token in r.token_ids]
+        views["sampled_from"][firsts] = per_row[:, 5]
+        views["positions"][t] = positions
+        views["table_rows"][t] = rows
+        views["token_offsets"][t] = offsets
+        views["counters"][t] = per_row[rows, 1] + offsets
+        views["top_k"][t] = per_row[rows, 2]
+        views["seed_lo"][t] = per_row[rows, 3]
+        views["seed_hi"][t] = per_row[rows, 4]
+        views["temperature"][t] = floats[rows, 0]
+        views["top_p"][t] = floats[rows, 1]
         block = self.shape.tokens_per_block
+        last = (per_row[:, 0] + counts - 1) // block  # each row's last ordinal (written)
         for group, window in self.shape.windows.items():
-            table = self._checked_table(request, group, window, positions)
-            views["tables", group][row, : len(table)] = table
-            pages = np.asarray(table, dtype=np.int64)[positions // block]
-            views["slots", group][token:end] = pages * block + positions % block
-        return end
+            tables = views["tables", group]
+            for row, request in enumerate(requests):
+                table = request.tables[group]
+                if len(table) > self.shape.table_width:
+                    raise ValueError(f"request {request.name!r}: {len(table)} ordinals in group {group!r}, "
+                                     f"the buffers hold {self.shape.table_width}")
+                tables[row, : len(table)] = table
+            first_read = np.zeros_like(last) if window is None else np.maximum(0, per_row[:, 0] - window + 1) // block
+            self._check_bound(requests, group, tables[: len(requests)], first_read, last)
+            pages = tables[rows, positions // block].astype(np.int64)
+            views["slots", group][t] = pages * block + positions % block
+        return num_tokens
 
-    def _checked_table(self, request: StepRequest, group: str, window: int | None, positions: np.ndarray):
-        """The request's ordinals for ``group``, once every ordinal its tokens read or write is bound::
+    def _check_bound(self, requests: list[StepRequest], group: str, tables: np.ndarray, first_read: np.ndarray,
+                     last: np.ndarray) -> None:
+        """Every ordinal a row's tokens read or write is bound, else ValueError naming the first missing one::
 
             positions a .. S-1, window W:  ordinals  max(0, a - W + 1) // B  ..  (S - 1) // B
         """
-        table, block = request.tables[group], self.shape.tokens_per_block
-        if len(table) > self.shape.table_width:
-            raise ValueError(f"request {request.name!r}: {len(table)} ordinals in group {group!r}, "
-                             f"the buffers hold {self.shape.table_width}")
-        first_read = 0 if window is None else max(0, int(positions[0]) - window + 1) // block
-        last = int(positions[-1]) // block
-        for ordinal in range(first_read, last + 1):
-            if ordinal >= len(table) or table[ordinal] < 0:
-                raise ValueError(f"request {request.name!r}, layer group {group!r}: ordinal {ordinal} "
-                                 f"(positions {ordinal * block}..{ordinal * block + block - 1}) is read but unbound")
-        return table
+        width = tables.shape[1]
+        columns = np.arange(width)
+        needed = (columns >= first_read[:, None]) & (columns <= last[:, None])
+        unbound = needed & (tables < 0)
+        past = last >= width  # an ordinal past the table: never bound
+        if not unbound.any() and not past.any():
+            return
+        row = int(np.flatnonzero(unbound.any(axis=1) | past)[0])
+        missing = np.flatnonzero(unbound[row])
+        ordinal = int(missing[0]) if missing.size else width
+        block = self.shape.tokens_per_block
+        raise ValueError(f"request {requests[row].name!r}, layer group {group!r}: ordinal {ordinal} "
+                         f"(positions {ordinal * block}..{ordinal * block + block - 1}) is read but unbound")
 
     def input_ids(self, num_tokens: int) -> torch.Tensor:
         """The first ``num_tokens`` input ids on the device, each ``sampled_from`` token taken from

@@ -100,3 +100,66 @@ def test_too_many_requests_or_tokens_raise():
         buffers.fill([request(str(i), [1], 0, [1], [1]) for i in range(3)])
     with pytest.raises(ValueError, match="pass the buffers"):
         buffers.fill([request("a", [1, 2, 3], 0, [1], [1]), request("b", [1, 2], 0, [2], [2])])
+
+
+def staged_one_by_one(requests: list[StepRequest], width: int, max_tokens: int) -> dict:
+    """What a step must stage, written token by token and ordinal by ordinal (the definition the
+    whole-array staging must meet)."""
+    want = {name: [pad] * max_tokens for name, pad in (("input_ids", 0), ("sampled_from", -1), ("positions", -1),
+                                                         ("table_rows", -1), ("token_offsets", -1), ("counters", 0),
+                                                         ("top_k", 0), ("slots_full", -1), ("slots_sliding", -1))}
+    want["temperature"], want["top_p"] = [0.0] * max_tokens, [1.0] * max_tokens
+    want["seed"] = [0] * max_tokens
+    token = 0
+    for row, r in enumerate(requests):
+        for offset, token_id in enumerate(r.token_ids):
+            position = r.first_position + offset
+            for name, value in (("input_ids", token_id), ("positions", position), ("table_rows", row),
+                                ("token_offsets", offset), ("counters", r.first_output + offset), ("top_k", r.top_k),
+                                ("temperature", r.temperature), ("top_p", r.top_p), ("seed", r.seed),
+                                ("sampled_from", r.sampled_from if offset == 0 else -1)):
+                want[name][token] = value
+            for group in ("full", "sliding"):
+                want[f"slots_{group}"][token] = r.tables[group][position // B] * B + position % B
+            token += 1
+    want["tables"] = {g: [r.tables[g] + [-1] * (width - len(r.tables[g])) for r in requests]
+                      for g in ("full", "sliding")}
+    return want
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_whole_array_staging_equals_staging_token_by_token(data):
+    width, max_tokens = 6, 8
+    buffers = make_buffers(max_tokens=max_tokens, width=width)
+    requests, budget = [], max_tokens
+    for i in range(data.draw(st.integers(1, 4))):
+        if budget == 0:
+            break
+        num_new = data.draw(st.integers(1, min(3, budget)))
+        budget -= num_new
+        first = data.draw(st.integers(0, width * B - num_new))
+        last = (first + num_new - 1) // B
+        full = data.draw(st.lists(st.integers(0, 99), min_size=last + 1, max_size=width))
+        window_start = max(0, first - 8 + 1) // B  # sliding window 8: ordinals below it may be released
+        sliding = [-1 if k < window_start and data.draw(st.booleans()) else p
+                   for k, p in enumerate(data.draw(st.lists(st.integers(0, 99), min_size=last + 1, max_size=width)))]
+        requests.append(StepRequest(
+            f"r{i}", data.draw(st.lists(st.integers(0, 300), min_size=num_new, max_size=num_new)), first,
+            {"full": full, "sliding": sliding}, temperature=data.draw(st.sampled_from([0.0, 0.7])),
+            top_p=data.draw(st.sampled_from([1.0, 0.9])), top_k=data.draw(st.integers(0, 50)),
+            seed=data.draw(st.integers(0, 2**63 - 1)), first_output=data.draw(st.integers(0, 40)),
+            sampled_from=data.draw(st.integers(-1, 7))))
+    buffers.fill(requests)
+    want = staged_one_by_one(requests, width, max_tokens)
+    views = buffers.host_views
+    for name in ("input_ids", "sampled_from", "positions", "table_rows", "token_offsets", "counters", "top_k"):
+        assert views[name].tolist() == want[name], name
+    assert views["temperature"].view(np.float32).tolist() == pytest.approx(want["temperature"])
+    assert views["top_p"].view(np.float32).tolist() == pytest.approx(want["top_p"])
+    seeds = [int(lo) | int(hi) << 31 for lo, hi in zip(views["seed_lo"], views["seed_hi"])]
+    assert seeds == want["seed"]
+    for group in ("full", "sliding"):
+        assert views["slots", group].tolist() == want[f"slots_{group}"]
+        assert views["tables", group][: len(requests)].tolist() == want["tables"][group]
+        assert (views["tables", group][len(requests):] == -1).all()
