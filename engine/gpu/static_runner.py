@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from engine.gpu.graph_runner import CudaGraphs
+from engine.gpu.paged_attention import default_num_splits
 from engine.gpu.sampling import SamplingRows, accepted_drafts, sample_tokens, top_logprobs
 from engine.gpu.step_buffers import StaticStepBuffers, StepRequest, StepShape
 from engine.models.decoder import StaticAttention
@@ -57,6 +58,9 @@ class StaticStepRunner:
         self.manager = manager
         self.buffers = StaticStepBuffers(shape, device)
         self.rope_table = model.rope_table(max_positions, device)
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        kv_heads = {group: tensor.shape[4] for group, tensor in manager.storage.tensors.items()}
+        self.num_splits = split_plan(self.buffers.sizes, shape.windows, kv_heads, max_positions, num_sms)
         self.graphs = CudaGraphs(self._forward, self.buffers.sizes, device) if use_graphs else None
         self.num_steps = 0
         if self.graphs is not None:
@@ -118,7 +122,8 @@ class StaticStepRunner:
                            request.seed, first_output, sampled_from)
 
     def _forward(self, size: int) -> torch.Tensor:
-        return static_forward(self.model, self.buffers, size, self.rope_table, self.manager.storage.tensors)
+        return static_forward(self.model, self.buffers, size, self.rope_table, self.manager.storage.tensors,
+                              self.num_splits.get(size))
 
     def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledRequest],
                 spans: list[tuple[int, int]]) -> LaunchedStep:
@@ -150,14 +155,32 @@ class StaticStepRunner:
         return LaunchedStep(scheduled, logits, spans, host, copied, num_top)
 
 
+def split_plan(sizes: list[int], windows: dict[str, int | None], kv_heads: dict[str, int], max_positions: int,
+               num_sms: int | None) -> dict[int, dict[str, int]]:
+    """Split-KV ranges per padded size and layer group, fixed when the graphs are captured: on a GPU
+    (``num_sms`` multiprocessors) ``default_num_splits`` over the group's longest read (its window, or
+    ``max_positions``); {} on the CPU (None: its torch reference has no splits). A token's keys are cut by
+    its own context on the device, so one count serves every length (a short context's ranges are short)."""
+    if num_sms is None:
+        return {}
+    return {size: {group: default_num_splits(size, kv_heads[group],
+                                             max_positions if window is None else min(window, max_positions),
+                                             num_sms)
+                   for group, window in windows.items()}
+            for size in sizes}
+
+
 def static_forward(model: torch.nn.Module, buffers: StaticStepBuffers, size: int,
-                   rope_table: tuple[torch.Tensor, torch.Tensor], kv_caches: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model over the buffers' first ``size`` tokens, logits [size, V]: what a graph captures."""
+                   rope_table: tuple[torch.Tensor, torch.Tensor], kv_caches: dict[str, torch.Tensor],
+                   num_splits: dict[str, int] | None = None) -> torch.Tensor:
+    """The model over the buffers' first ``size`` tokens, logits [size, V]: what a graph captures.
+    ``num_splits``: split-KV ranges per layer group (``split_plan``; absent: 1)."""
     static = StaticAttention(  # a padded token's row -1 -> 0: its position -1 already reads nothing
         positions=buffers.token_view("positions", size).long(),
         table_rows=buffers.token_view("table_rows", size).clamp(min=0),
         block_tables={group: buffers.views["tables", group] for group in buffers.groups},
         slots={group: buffers.views["slots", group][:size].long() for group in buffers.groups},
+        num_splits=num_splits or {},
     )
     return model.forward_static(buffers.input_ids(size).long(), static, rope_table, kv_caches)
 

@@ -9,7 +9,7 @@ A subclass supplies the MLP and the bias / sink choices; the forward pass is her
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ class StaticAttention:
     table_rows: torch.Tensor  # [N] int32
     block_tables: dict[str, torch.Tensor]  # group -> [R, M] int32
     slots: dict[str, torch.Tensor]  # group -> [N] int64
+    num_splits: dict[str, int] = field(default_factory=dict)  # group -> split-KV ranges (absent: 1)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class PagedSelfAttention(nn.Module):
             static, cache = ctx.static, ctx.kv_caches[group]
             write_kv(cache, index, static.slots[group], k, v)
             out = paged_decode_attention(q, cache, index, static.block_tables[group], static.table_rows,
-                                         static.positions, window=window, scale=self.scale, sinks=self.sinks)
+                                         static.positions, window=window, scale=self.scale, sinks=self.sinks,
+                                         num_splits=static.num_splits.get(group, 1))
         else:
             out = paged_attention(q, k, v, ctx.kv_caches[group], index, ctx.attention[group], self.scale, self.sinks)
         return self.o_proj(out.reshape(num_tokens, -1))
