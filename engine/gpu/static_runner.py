@@ -39,7 +39,9 @@ class StepSamples(NamedTuple):
 
 class LaunchedStep(NamedTuple):
     """A static step whose device work is queued (``StaticStepRunner.launch``): its samples, packed, reach
-    ``host`` once ``copied`` fires (None: already there, on the CPU). ``collect`` reads them."""
+    ``host`` once ``copied`` fires (None: already there, on the CPU). ``collect`` reads them. ``logits``
+    are a graph's shared output: valid until the next launch (an overlapped step's are overwritten by the
+    step launched after it, so only the samples, taken at launch, survive; verify steps never overlap)."""
 
     scheduled: list[ScheduledRequest]
     logits: torch.Tensor
