@@ -329,6 +329,8 @@ class LLMEngine:
         if request is not None:
             self._finish(request, FinishReason.ABORT)
             return True
+        if self._in_flight is not None and request_id in self._in_flight.frees:
+            return False  # it ended; its pages go back once the launched step that writes them is collected
         existed = self.manager.has_request(request_id)
         self.manager.free(request_id)
         return existed

@@ -127,6 +127,8 @@ def test_a_stopped_requests_pages_stay_bound_until_the_step_launched_after_it_is
     # the step launched after r0's last one holds a row of r0 (its input: r0's stop token, on the device)
     assert "r0" in engine._in_flight.request_ids
     assert engine.manager.has_request("r0"), "r0's pages were freed while a launched step writes them"
+    assert not engine.abort("r0")  # a late abort of an ended request frees nothing early either
+    assert engine.manager.has_request("r0")
     updates = engine.step()  # collects that step: r0's row is dropped, its pages go back
     assert "r0" not in {u.request_id for u in updates}
     assert not engine.manager.has_request("r0")
