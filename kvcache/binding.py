@@ -71,15 +71,17 @@ def _bind(pool: PagePool, first: int, num_ordinals: int, hits: Mapping[int, int]
 
 def can_grow(pools: Mapping[str, PagePool], blocks: RequestBlocks, num_new_tokens: int) -> bool:
     grow_by = blocks.ordinals_for(blocks.num_tokens + num_new_tokens) - blocks.num_ordinals
-    return all(grow_by <= pool.num_free for pool in pools.values())
+    return grow_by <= 0 or all(grow_by <= pool.num_free for pool in pools.values())
 
 
 def grow(pools: Mapping[str, PagePool], blocks: RequestBlocks, num_new_tokens: int) -> None:
-    """Hold ``num_new_tokens`` more tokens: fresh pages for the new tail ordinals (``can_grow`` first)."""
+    """Hold ``num_new_tokens`` more tokens: fresh pages for the new tail ordinals (``can_grow`` first).
+    Most decode steps stay inside the last page: no pool is asked then."""
     new_len = blocks.ordinals_for(blocks.num_tokens + num_new_tokens)
     for name, pool in pools.items():
         table = blocks.tables[name]
-        table.extend(pool.take(new_len - len(table)))
+        if new_len > len(table):
+            table.extend(pool.take(new_len - len(table)))
     blocks.num_tokens += num_new_tokens
 
 

@@ -15,9 +15,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams
+from engine.gpu import paged_attention
 from engine.gpu.step_buffers import StaticStepBuffers, StepRequest, StepShape
 from engine.outputs import FinishReason
 from tests.engine.engine_fixtures import make_engine, tiny_model  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def torch_attention(monkeypatch):
+    """The static step's torch reference attention, also where the suite's process interprets Triton
+    (tests/engine/gpu sets TRITON_INTERPRET): both runs of a comparison take the same path, and the
+    kernels have their own tests there."""
+    monkeypatch.setattr(paged_attention, "_runs_triton", lambda *tensors: False)
 
 
 def engine_for(model, overlap: bool, **kwargs):
