@@ -47,7 +47,8 @@ def sample_batch(sampler: Sampler, scheduled: list[ScheduledRequest], output: Ru
     logits = output.logits
     if rows != list(range(logits.shape[0])):  # not simply every row in order (a decode step's): pick them
         logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-    result = sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests])
+    result = sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests],
+                            [(r.seed, r.num_output_tokens) for r in requests])
     for j, (i, request) in enumerate(zip(picked, requests)):
         token_ids[i], logprobs[i] = request.given_or_sampled(result.token_ids[j], result.logprobs[j])
     return SampleResult(token_ids, logprobs)

@@ -93,6 +93,7 @@ class LLMEngine:
                                    max_model_len=self.max_model_len, draft_len=self.draft_len,
                                    num_extra_kv_tokens=self.num_extra_kv_tokens)
         self.runner = ModelRunner(self.model.module, self.manager, self.model.device, static)
+        self.sampler.counter_draws = static is not None  # mixed steps draw as the static steps do
         self.async_scheduling = uses_async_scheduling(config, static, self.draft_len)
         self._in_flight: InFlight | None = None  # engine.overlap: a launched step not yet collected
         self.num_steps_launched_ahead = 0  # steps launched before the host read the previous one's samples

@@ -9,7 +9,12 @@ Two distributions matter per row of logits:
   verification draw from ``p``.
 
 Randomness comes only from the per-request ``torch.Generator`` passed in, so
-a seeded request's tokens do not depend on what it is batched with.
+a seeded request's tokens do not depend on what it is batched with. On an
+engine whose decode steps sample on the device (engine.gpu.sampling's
+counter-based noise), ``Sampler(counter_draws=True)`` draws its rows from that
+same noise, keyed by (seed, output index): a request's tokens then do not
+depend on whether a step was a pure decode step (device) or mixed with another
+request's prefill (here). Verification keeps the generators.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.gpu.sampling import counter_draws
 from engine.native import argmax_rows_kernel
 from engine.outputs import TokenLogprob
 from engine.params import SamplingParams
@@ -92,7 +98,7 @@ def _filtered_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
 def match_sample(
     probs: torch.Tensor, draft_token_ids: Sequence[int], generator: torch.Generator | None,
-    reseed: Callable[[int], None] | None = None,
+    reseed: Callable[[int], None] | None = None, draw: Callable[[int], int] | None = None,
 ) -> list[int]:
     """Speculative verification for a deterministic drafter: draw, then compare.
 
@@ -114,9 +120,12 @@ def match_sample(
     output does not depend on speculation.
     """
     for i in range(len(draft_token_ids) + 1):
-        if reseed is not None:
-            reseed(i)
-        token_id = _draw(probs[i], generator)
+        if draw is not None:  # row i's token drawn already (counter-based): compare only
+            token_id = draw(i)
+        else:
+            if reseed is not None:
+                reseed(i)
+            token_id = _draw(probs[i], generator)
         if i == len(draft_token_ids) or token_id != draft_token_ids[i]:
             return list(draft_token_ids[:i]) + [token_id]
     raise AssertionError("unreachable: the last row always emits")
@@ -149,14 +158,19 @@ def _token_logprobs(
 class Sampler:
     """Turns logits into tokens: batched sampling and speculative verification.
 
-    Stateless: all randomness comes from the generators passed to each call.
+    Stateless: all randomness comes from the generators passed to each call, or with ``counter_draws``
+    from the (seed, output index) keys passed to ``sample``.
     """
+
+    def __init__(self, counter_draws: bool = False) -> None:
+        self.counter_draws = counter_draws
 
     def sample(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        keys: Sequence[tuple[int, int]] | None = None,
     ) -> SampleResult:
         """Pick one token per row of ``logits`` ``[n, V]``.
 
@@ -173,10 +187,14 @@ class Sampler:
             return SampleResult(greedy_token_ids(logits), [None] * len(params))
         probs = sampling_probs(logits, params)
         greedy_ids = probs.argmax(dim=-1).tolist()
-        token_ids = [
-            greedy_ids[i] if p.is_greedy else _draw(probs[i], generators[i])
-            for i, p in enumerate(params)
-        ]
+        if self.counter_draws and keys is not None:  # keys[i]: (seed, output index) of row i
+            drawn = counter_draws(probs, [k[0] for k in keys], [k[1] for k in keys]).tolist()
+            token_ids = [greedy_ids[i] if p.is_greedy else drawn[i] for i, p in enumerate(params)]
+        else:
+            token_ids = [
+                greedy_ids[i] if p.is_greedy else _draw(probs[i], generators[i])
+                for i, p in enumerate(params)
+            ]
         logprobs = _token_logprobs(logits, token_ids, [p.logprobs for p in params])
         return SampleResult(token_ids, logprobs)
 
@@ -187,6 +205,7 @@ class Sampler:
         params: SamplingParams,
         generator: torch.Generator | None,
         reseed: Callable[[int], None] | None = None,
+        key: tuple[int, int] | None = None,
     ) -> VerifyResult:
         """Check ``k`` drafts of one request against the target model's ``[k+1, V]`` logits.
 
@@ -202,7 +221,9 @@ class Sampler:
 
         Sampling: ``match_sample`` on ``sampling_probs`` of every row (``reseed(i)``
         seeds the generator for row ``i``'s output position), so every emitted token
-        is the one sampling without speculation draws.
+        is the one sampling without speculation draws. With ``counter_draws`` and
+        ``key`` (seed, row 0's output index) row ``i`` draws the counter-based token of
+        output index ``key[1] + i`` instead, as the device's verification does.
         """
         num_drafts = len(draft_token_ids)
         if logits.shape[0] != num_drafts + 1:
@@ -213,7 +234,12 @@ class Sampler:
             token_ids = self._verify_greedy(logits, draft_token_ids)
         else:
             probs = sampling_probs(logits, [params] * (num_drafts + 1))
-            token_ids = match_sample(probs, draft_token_ids, generator, reseed)
+            if self.counter_draws and key is not None:
+                drawn = counter_draws(probs, [key[0]] * (num_drafts + 1),
+                                      [key[1] + i for i in range(num_drafts + 1)]).tolist()
+                token_ids = match_sample(probs, draft_token_ids, None, draw=lambda i: drawn[i])
+            else:
+                token_ids = match_sample(probs, draft_token_ids, generator, reseed)
         num_tops = [params.logprobs] * len(token_ids)
         logprobs = _token_logprobs(logits[: len(token_ids)], token_ids, num_tops)
         return VerifyResult(token_ids, len(token_ids) - 1, logprobs)

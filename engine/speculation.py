@@ -54,7 +54,8 @@ class Speculation:
         request = item.request
         if result is None:
             result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator,
-                                         reseed=lambda row: seed_for_output(request, ahead=row))
+                                         reseed=lambda row: seed_for_output(request, ahead=row),
+                                         key=(request.seed, request.num_output_tokens))
         request.num_drafts_proposed += len(item.draft_token_ids)
         request.num_drafts_accepted += result.num_accepted
         if self.policy is not None:

@@ -84,6 +84,18 @@ def sample_tokens(logits: torch.Tensor, rows: SamplingRows, *, is_greedy: bool, 
     return torch.where(is_sampled, drawn, greedy_ids)
 
 
+def counter_draws(probs: torch.Tensor, seeds: list[int], counters: list[int]) -> torch.Tensor:
+    """The draws ``sample_tokens`` makes, for rows of sampling probabilities [N, V] already computed (the
+    host path's mixed steps on an engine whose decode steps sample here): row n is keyed by
+    (``seeds[n]``, ``counters[n]``), the request's seed and output index, so a request draws the same
+    token whichever path its step took."""
+    device = probs.device
+    seed_lo = torch.tensor([s & ((1 << 31) - 1) for s in seeds], device=device)
+    seed_hi = torch.tensor([(s >> 31) & ((1 << 31) - 1) for s in seeds], device=device)
+    noise = -torch.log(uniform_noise(seed_lo, seed_hi, torch.tensor(counters, device=device), probs.shape[-1]))
+    return (probs / noise).argmax(dim=-1)
+
+
 def accepted_drafts(sampled: torch.Tensor, input_ids: torch.Tensor, token_offsets: torch.Tensor,
                     table_rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Drafts accepted per request row [num_rows]: the offset of the first token whose draw differs from

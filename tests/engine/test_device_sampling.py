@@ -122,3 +122,24 @@ def test_accepted_drafts_match_greedy_verification(requests, num_padding):
     rows += [-1] * num_padding
     tensors = [torch.tensor(v) for v in (sampled, input_ids, offsets, rows)]
     assert accepted_drafts(*tensors, len(requests)).tolist() == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 300), st.integers(0, 2**31), st.sampled_from([0, 5]),
+       st.sampled_from([1.0, 0.8]))
+def test_the_hosts_counter_draws_are_the_devices_draws(num_rows, vocab, seed, top_k, top_p):
+    """Sampler(counter_draws=True), the host path's mixed steps on an engine that samples decode steps on
+    the device, draws each row's token from the same (seed, output index) noise as sample_tokens; its
+    verification draws row i at output index first + i, as accepted_drafts compares them."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab, generator=generator) * 3
+    params = [SamplingParams(temperature=0.7 + 0.1 * i, top_k=top_k, top_p=top_p, seed=seed + i)
+              for i in range(num_rows)]
+    seeds, counters = [p.seed for p in params], [3 * i + 1 for i in range(num_rows)]
+    host = Sampler(counter_draws=True).sample(logits, params, [None] * num_rows, list(zip(seeds, counters)))
+    assert host.token_ids == draw(logits, params, seeds, counters)
+    one = params[0]
+    device_rows = draw(logits, [one] * num_rows, [one.seed] * num_rows, [5 + i for i in range(num_rows)])
+    drafts = device_rows[:-1]  # every draft matches its row's draw: all accepted, then the last row's
+    verified = Sampler(counter_draws=True).verify(logits, drafts, one, None, key=(one.seed, 5))
+    assert verified.token_ids == device_rows and verified.num_accepted == num_rows - 1

@@ -178,3 +178,30 @@ def test_the_captured_step_reads_no_value_on_the_host(arch):
         chosen, values, top_ids = top_logprobs(logits, ids, 3)
     assert accepted.shape == (len(steps),) and values.shape == top_ids.shape == (size, 3)
     assert chosen.device.type == "meta"
+
+
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_a_seeded_request_draws_the_same_tokens_whether_its_steps_are_static_or_mixed(tiny_model, reference, top_k):
+    """With the static path, a pure decode step samples on the device (counter-based noise) and a step
+    mixed with another request's prefill samples on the host: both draw from (seed, output index), so a
+    seeded request's tokens do not depend on what arrives beside it."""
+    prompts = reference[0]
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_k=top_k, seed=7, ignore_eos=True)
+    alone = make_engine(tiny_model, tokens_per_block=8, max_model_len=256, max_num_seqs=4, use_static_buffers=True)
+    want = run_to_completion(alone, prompts[:1], params)["r0"]
+    assert alone.runner.num_forward_passes == alone.runner.static.num_steps + 1  # one prefill, then static steps
+    busy = make_engine(tiny_model, tokens_per_block=8, max_model_len=256, max_num_seqs=4, use_static_buffers=True,
+                       max_num_batched_tokens=64)
+    busy.add_request("a", prompts[0], params)
+    got, others = [], iter(prompts[1:4])
+    for k in range(200):
+        if k % 5 == 2:  # a prompt arrives every 5 steps: its prefill chunks share "a"'s decode steps
+            prompt = next(others, None)
+            if prompt is not None:
+                busy.add_request(f"b{k}", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        if not busy.has_unfinished():
+            break
+        got += [t for u in busy.step() if u.request_id == "a" for t in u.new_token_ids]
+    mixed = busy.runner.num_forward_passes - busy.runner.static.num_steps - 1
+    assert mixed >= 3, "the other prompts' prefills did not share steps with a's decodes"
+    assert got == want
