@@ -77,8 +77,11 @@ def shape_figures(device: str, mode: dict, tmp: str) -> list[dict]:
         for batch in mode["decode_batches"]:
             step = decode_step_ms(path, batch, mode["decode_prompt_len"], device, "bfloat16", mode["decode_steps"])
             row[f"decode_step_ms_batch_{batch}"] = step["step_ms"]
+            row[f"gpu_busy_batch_{batch}"] = step["gpu_busy"]
         progress(f"  {row['output_tok_s']:.0f} output tok/s; decode steps (ms) "
-                 + ", ".join(f"{k}: {v:.2f}" for k, v in row.items() if k.startswith("decode_step")))
+                 + ", ".join(f"{k}: {v:.2f}" for k, v in row.items() if k.startswith("decode_step"))
+                 + "; GPU busy " + ", ".join(f"{k}: {v:.0%}" for k, v in row.items()
+                                             if k.startswith("gpu_busy") and v is not None))
         rows.append(row)
     return rows
 
@@ -117,8 +120,11 @@ def main(argv: list[str] | None = None) -> dict:
     if shape_rows:
         batches = mode["decode_batches"]
         print_table(f"random models of real shapes on {device_name}, bf16: nano-vllm's workload and decode steps",
-                    ["model", "output tok/s", *[f"step ms, batch {b}" for b in batches]],
-                    [[r["model"], r["output_tok_s"], *[r[f"decode_step_ms_batch_{b}"] for b in batches]]
+                    ["model", "output tok/s", *[f"step ms, batch {b}" for b in batches],
+                     *[f"GPU busy, batch {b}" for b in batches]],
+                    [[r["model"], r["output_tok_s"], *[r[f"decode_step_ms_batch_{b}"] for b in batches],
+                      *["-" if r[f"gpu_busy_batch_{b}"] is None else f"{r[f'gpu_busy_batch_{b}']:.0%}"
+                        for b in batches]]
                      for r in shape_rows])
     return figures
 

@@ -111,5 +111,39 @@ def decode_step_ms(path: str, batch: int, prompt_len: int, device: str, dtype: s
         times.append(time.perf_counter() - start)
         if len(updates) != batch:
             raise RuntimeError(f"a decode step served {len(updates)} of {batch} requests")
+    busy = None
+    if device.startswith("cuda"):
+        try:
+            busy = gpu_busy(engine, max(1, steps // 4))
+        except Exception as exc:  # written without a GPU at hand: a profiler surprise must not cost the run
+            print(f"GPU busy not measured: {type(exc).__name__}: {exc}", flush=True)
     return {"batch": batch, "prompt_len": prompt_len, "step_ms": statistics.median(times) * 1e3,
-            "min_step_ms": min(times) * 1e3}
+            "min_step_ms": min(times) * 1e3, "gpu_busy": busy}
+
+
+def gpu_busy(engine, steps: int) -> float:
+    """The share of ``steps`` decode steps' time the GPU runs a kernel, from torch's profiler (CUPTI's
+    kernel records, graph replays included): the union of the kernels' intervals over the span from the
+    first to the last event of the window. The profiler slows the host, so this understates the busy
+    share of an unprofiled step (a lower bound)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.time_range.end > e.time_range.start]
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    span = max(e.time_range.end for e in events) - min(e.time_range.start for e in events)
+    return busy_share(kernels, span)
+
+
+def busy_share(intervals: list[tuple[float, float]], span: float) -> float:
+    """The length of the union of ``intervals`` over ``span`` (0 when either is empty)."""
+    covered, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            covered += stop - max(start, end)
+            end = stop
+    return covered / span if span > 0 else 0.0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import engine_cuda, step_profile
 from bench.gpu_workload import SHAPES, TINY, WORKLOADS, nano_vllm_requests
 
@@ -31,3 +33,12 @@ def test_step_profile_reports_decode_steps_and_where_they_go(tmp_path):
     assert report.startswith("windserve-tiny float32 on cpu, concurrency 4: median decode step")
     assert "aten::" in report and "engine/engine.py" in report  # torch's table and cProfile's
     assert (tmp_path / "step_profile_cpu.txt").read_text() == report
+
+
+def test_busy_share_is_the_union_of_kernel_intervals_over_the_span():
+    from bench.gpu_workload import busy_share
+
+    assert busy_share([], 10.0) == 0.0
+    assert busy_share([(0, 2), (1, 3), (5, 6)], 10.0) == pytest.approx(0.4)  # [0, 3) and [5, 6)
+    assert busy_share([(4, 5), (0, 10), (2, 3)], 10.0) == pytest.approx(1.0)  # nested inside one
+    assert busy_share([(0, 1)], 0.0) == 0.0
