@@ -45,10 +45,11 @@ def cached_forward(real):
 
 
 def host_step_ms(path: str, concurrency: int, steps: int) -> dict:
-    llm = make_llm(path, concurrency, 256, 2 * steps + 16, use_static_buffers=True, async_scheduling=False)
+    max_tokens = 2 * steps + 8 + concurrency  # the first prompts decode while the last ones prefill
+    llm = make_llm(path, concurrency, 256, max_tokens + 8, use_static_buffers=True, async_scheduling=False)
     engine = llm.engine
     for i, prompt in enumerate(mixed_prompts(concurrency, (16, 256), seed=3)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True))
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     started: set[str] = set()
     while len(started) < concurrency:
         started.update(u.request_id for u in engine.step() if u.new_token_ids)
