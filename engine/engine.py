@@ -32,12 +32,11 @@ import torch
 
 from engine.batch_sampling import sample_batch
 from engine.config import EngineConfig, max_model_len
-from engine.gpu.static_runner import StaticStepRunner
 from engine.handoff import is_handoff_due, prefill_result, reused_tokens
 from engine.host_memory import keep_freed_memory
 from engine.layout import kv_cache_spec
 from engine.outputs import FinishReason, RequestUpdate, TokenLogprob, num_kv_tokens
-from engine.overlap import InFlight, may_overlap, schedule_ahead
+from engine.overlap import InFlight, may_overlap, schedule_ahead, uses_async_scheduling
 from engine.params import SamplingParams
 from engine.reports import engine_stats, routing_stats
 from engine.request import Request
@@ -49,18 +48,6 @@ from engine.stopping import StopChecker
 from engine.tokenizer import IncrementalDecoder
 from engine.worker_model import WorkerModel
 from kvcache import KVCacheManager, extend_block_hashes, kv_fingerprint
-
-
-def uses_async_scheduling(config: EngineConfig, static: StaticStepRunner | None, draft_len: int) -> bool:
-    """``config.async_scheduling`` resolved: None is on where CUDA graphs run decode steps without
-    drafts; True needs the static path and no speculative decoding (engine.overlap)."""
-    if config.async_scheduling is None:
-        return static is not None and static.graphs is not None and draft_len == 0
-    if config.async_scheduling and static is None:
-        raise ValueError("async_scheduling needs the static decode path (use_static_buffers; on CUDA by default)")
-    if config.async_scheduling and draft_len > 0:
-        raise ValueError("async_scheduling does not run with speculative decoding (max_draft_len > 0)")
-    return config.async_scheduling
 
 
 class PromptTooLongError(ValueError):
@@ -253,15 +240,13 @@ class LLMEngine:
         try:
             return self._postprocess(previous.launched.scheduled, self.runner.collect(previous.launched))
         finally:  # collected (or failed): nothing launched uses these pages any more
-            for request_id in previous.frees:
-                self.manager.free(request_id)
+            previous.release(self.manager)
 
     def _drop_in_flight(self) -> None:
         """After a failed step: forget launched steps and free the pages they held back."""
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            for request_id in in_flight.frees:
-                self.manager.free(request_id)
+            in_flight.release(self.manager)
 
     def _postprocess(self, scheduled: list[ScheduledRequest], output: RunOutput) -> list[RequestUpdate]:
         sampled = output.samples.sampled if output.samples else sample_batch(self.sampler, scheduled, output)

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.gpu.static_runner import LaunchedStep
+from engine.config import EngineConfig
+from engine.gpu.static_runner import LaunchedStep, StaticStepRunner
 from engine.scheduler import ScheduledRequest, Scheduler
+from kvcache import KVCacheManager
 
 
 @dataclass
@@ -41,6 +43,23 @@ class InFlight:
     @classmethod
     def of(cls, launched: LaunchedStep) -> InFlight:
         return cls(launched, {item.request.request_id for item in launched.scheduled})
+
+    def release(self, manager: KVCacheManager) -> None:
+        """Free the pages held back for this step, once it is collected (or dropped after a failure)."""
+        for request_id in self.frees:
+            manager.free(request_id)
+
+
+def uses_async_scheduling(config: EngineConfig, static: StaticStepRunner | None, draft_len: int) -> bool:
+    """``config.async_scheduling`` resolved: None is on where CUDA graphs run decode steps without
+    drafts; True needs the static path and no speculative decoding (engine.overlap)."""
+    if config.async_scheduling is None:
+        return static is not None and static.graphs is not None and draft_len == 0
+    if config.async_scheduling and static is None:
+        raise ValueError("async_scheduling needs the static decode path (use_static_buffers; on CUDA by default)")
+    if config.async_scheduling and draft_len > 0:
+        raise ValueError("async_scheduling does not run with speculative decoding (max_draft_len > 0)")
+    return config.async_scheduling
 
 
 def may_overlap(scheduled: list[ScheduledRequest], scheduler: Scheduler) -> bool:

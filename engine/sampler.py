@@ -14,7 +14,7 @@ engine whose decode steps sample on the device (engine.gpu.sampling's
 counter-based noise), ``Sampler(counter_draws=True)`` draws its rows from that
 same noise, keyed by (seed, output index): a request's tokens then do not
 depend on whether a step was a pure decode step (device) or mixed with another
-request's prefill (here). Verification keeps the generators.
+request's prefill (here); ``Sampler.verify`` does the same with a ``key``.
 """
 
 from __future__ import annotations
