@@ -47,7 +47,7 @@ class ServingContext:
             raise model_not_found(model)
 
     async def encode(self, text: str) -> list[int]:
-        return await run_in_threadpool(self.tokenizer.encode, text)
+        return await run_in_threadpool(self.tokenizer.encode_prompt, text)
 
     async def apply_chat_template(self, messages: list[dict]) -> list[int]:
         try:

@@ -1,8 +1,9 @@
 """GGUF checkpoints (llama.cpp's one-file format) turned, once, into a Hugging Face folder.
 
     model.gguf ──read_architecture()──► supported? ──transformers' GGUF loader──► a cache folder
-                (no tensor data is      llama, qwen2;    (dequantizes every tensor
-                 dequantized)           else an error)    to float32)
+                (no tensor data is      gemma3, llama,   (dequantizes every tensor
+                 dequantized)           qwen2; else      to float32)
+                                        an error
 
     <cache>/gguf/<file stem>-<key>/     key: this converter's version, the file's real path, size, mtime
         config.json  generation_config.json  model.safetensors  tokenizer.json  tokenizer_config.json ...
@@ -29,7 +30,7 @@ GGUF_SUFFIX = ".gguf"
 CONVERTER_VERSION = 1  # bump when the folder written for the same file changes
 # The GGUF general.architecture values converted. llama.cpp writes Mistral models as ``llama`` (the
 # same dense decoder; it runs them with full attention) and they convert to LlamaForCausalLM.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2")
 INSTALL_HINT = "pip install gguf accelerate"
 
 

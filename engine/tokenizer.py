@@ -6,6 +6,9 @@ import json
 import os
 from collections.abc import Sequence
 
+from engine.chat_templates import builtin_chat
+
+CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt ids kept as context for the first generated ids, so that
@@ -25,7 +28,13 @@ class Tokenizer:
         # What a fast tokenizer's decode runs when clean-up is off, minus transformers' per-call
         # wrapping (~4x the Rust call for one token); streaming decodes twice per generated token.
         self._backend = getattr(self._hf, "backend_tokenizer", None)
-        self.eos_token_ids: tuple[int, ...] = _eos_token_ids(self._hf.eos_token_id, model_path)
+        builtin = None if self._hf.chat_template else builtin_chat(_model_type(model_path))
+        self.chat_template: str | None = self._hf.chat_template or (builtin and builtin.template)
+        stop_ids = [self._hf.convert_tokens_to_ids(token) for token in (builtin.stop_tokens if builtin else ())]
+        stop_ids = [i for i in stop_ids if i is not None and i != self._hf.unk_token_id]  # absent from the vocab
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
+            _eos_token_ids(self._hf.eos_token_id, model_path) + tuple(stop_ids)))
+        self.adds_bos = bool(getattr(self._hf, "add_bos_token", False)) and self._hf.bos_token_id is not None
 
     @property
     def vocab_size(self) -> int:
@@ -38,11 +47,18 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self._hf.chat_template)
+        return bool(self.chat_template)
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` as written: no BOS/EOS added; special-token text maps to special ids."""
         return self._hf.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion prompt's ids: ``encode``, after the BOS where the tokenizer asks for one (Gemma's
+        does: without it the model writes nonsense) and the text does not start with it already."""
+        ids = self.encode(text)
+        bos = self._hf.bos_token_id
+        return [bos, *ids] if self.adds_bos and ids[:1] != [bos] else ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None:
@@ -60,10 +76,19 @@ class Tokenizer:
         from jinja2 import TemplateError
 
         try:
-            text = self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self._hf.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                add_generation_prompt=True)
         except TemplateError as e:
             raise ValueError(f"cannot render the chat template of {self.model_path!r}: {e}") from e
         return self.encode(text)
+
+
+def _model_type(model_path: str) -> str | None:
+    path = os.path.join(model_path, CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f).get("model_type")
 
 
 def _eos_token_ids(tokenizer_eos: int | None, model_path: str) -> tuple[int, ...]:

@@ -12,10 +12,12 @@ from torch import nn
 
 from engine.loader import check_architecture
 from engine.models.decoder import DecoderForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,

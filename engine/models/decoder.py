@@ -193,7 +193,7 @@ class DecoderForCausalLM(nn.Module):
         self.slots = layer_slots(hf_config)
         self.group_windows = {slot.group: slot.window for slot in self.slots}
         layers = [self._make_layer(hf_config, slot) for slot in self.slots]
-        self.model = DecoderModel(hf_config, layers, self.norm_in_float32)
+        self.model = self.make_decoder_model(hf_config, layers)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
@@ -219,6 +219,9 @@ class DecoderForCausalLM(nn.Module):
         attn = PagedSelfAttention(hf_config, slot, self.attention_options(hf_config))
         return DecoderLayer(attn, self.make_mlp(hf_config), hf_config.hidden_size, hf_config.rms_norm_eps,
                             self.norm_in_float32)
+
+    def make_decoder_model(self, hf_config, layers: list[nn.Module]) -> DecoderModel:
+        return DecoderModel(hf_config, layers, self.norm_in_float32)
 
     def attention_options(self, hf_config) -> AttentionOptions:
         raise NotImplementedError
@@ -247,8 +250,11 @@ class DecoderForCausalLM(nn.Module):
         positions = torch.arange(num_positions, device=device)
         return self.model.rotary_emb(positions, self.model.embed_tokens.weight.dtype)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
     def _logits(self, input_ids: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor | None):
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         stack = self._native_stack()
         if stack is not None and stack.fits(hidden, ctx):
             hidden = stack(hidden, ctx)

@@ -30,22 +30,33 @@ class RMSNorm(nn.Module):
         self.scale_in_float32 = scale_in_float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
-            kernel = rms_norm_kernel()
-            if kernel is None:
-                return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-            return kernel(x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps).view(x.shape)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.scale_in_float32:
-            return (self.weight * x).to(dtype)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps, self.scale_in_float32)
 
 
-def rope_parameters(hf_config) -> dict:
-    """``rope_parameters`` (transformers >= 5) or the older ``rope_theta`` + ``rope_scaling`` pair."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_float32: bool) -> torch.Tensor:
+    """``RMSNorm``'s computation with ``weight`` as its scale."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
+        kernel = rms_norm_kernel()
+        if kernel is None:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if scale_in_float32:
+        return (weight * x).to(dtype)
+    return weight * x.to(dtype)
+
+
+def rope_parameters(hf_config, layer_type: str | None = None) -> dict:
+    """``rope_parameters`` (transformers >= 5) or the older ``rope_theta`` + ``rope_scaling`` pair. A model
+    with RoPE per layer type (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``) gives
+    ``layer_type``'s entry."""
     params = getattr(hf_config, "rope_parameters", None)
+    if params is not None and layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    elif params is not None and set(params) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"RoPE parameters per layer type {sorted(params)}: say which layer type")
     if params is None:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -65,9 +76,9 @@ class RotaryEmbedding(nn.Module):
     attention scaling from ``transformers.modeling_rope_utils``.
     """
 
-    def __init__(self, hf_config, head_dim: int) -> None:
+    def __init__(self, hf_config, head_dim: int, layer_type: str | None = None) -> None:
         super().__init__()
-        params = rope_parameters(hf_config)
+        params = rope_parameters(hf_config, layer_type)
         rope_type = params["rope_type"]
         if rope_type not in _STATIC_ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {list(_STATIC_ROPE_TYPES)}")
@@ -76,7 +87,8 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+            by_type = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **by_type)
         self.inv_freq = nn.Buffer(inv_freq.float(), persistent=False)
         self.attention_scaling = float(scaling)
 

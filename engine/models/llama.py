@@ -19,14 +19,23 @@ from engine.models.packed import linear
 from engine.models.quantized import QuantizedWeight
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# transformers' names (ACT2FN) of the gate activations supported: Llama's SiLU, Gemma's tanh GELU
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+
+
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; gate and up in one matmul once ``fuse_gate_up`` found them both
+    """``down(act(gate(x)) * up(x))``; gate and up in one matmul once ``fuse_gate_up`` found them both
     GGUF blocks of one format (engine.models.quantized)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, hidden_act: str) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: ['silu']")
+        if hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+        self.act_fn = ACTIVATIONS[hidden_act]
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
@@ -47,10 +56,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         rows = x.reshape(-1, x.shape[-1])
         gate, up = linear(rows, *self.gate_up, None).chunk(2, dim=-1)
-        return self.down_proj((F.silu(gate) * up).view(*x.shape[:-1], -1))
+        return self.down_proj((self.act_fn(gate) * up).view(*x.shape[:-1], -1))
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from engine.models.packed import NATIVE_MAX_ROWS, PackedLinear
 from engine.models.quantized import QuantizedLinear, QuantizedWeight
@@ -82,7 +83,7 @@ def build(model) -> NativeStack | None:
                 or (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale) \
                 != (first.num_heads, first.num_kv_heads, first.head_dim, first.scale):
             return None
-        if type(mlp) is not GatedMLP:
+        if type(mlp) is not GatedMLP or mlp.act_fn is not F.silu:  # the stack's MLP is SwiGLU
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not all(type(n) is RMSNorm and n.eps == eps and n.weight.dtype == torch.float32

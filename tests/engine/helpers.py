@@ -13,7 +13,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+)
 
 from engine.forward import ForwardBatch
 from engine.layout import kv_cache_spec
@@ -31,6 +39,12 @@ CONFIGS = {
         **{**_COMMON, "intermediate_size": 32, "max_position_embeddings": 131072},
         num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
     ),  # rope_parameters default to GPT-OSS's YaRN (factor 32, original 4096)
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**_COMMON, "hidden_activation": "gelu_pytorch_tanh"}, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    ),  # Gemma's pattern (sliding layers, then a full one); a query scale that is not head_dim ** -0.5
     "llama": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
     "mistral": lambda: MistralConfig(**_COMMON, sliding_window=WINDOW),
     "qwen2": lambda: Qwen2Config(**_COMMON),
@@ -44,6 +58,11 @@ def load_pair(arch: str, dtype: torch.dtype = torch.float32):
     """(transformers model with eager attention, our model on the same weights, the checkpoint's config)."""
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(CONFIGS[arch](), attn_implementation="eager").eval()
+    if arch == "gemma3":  # its norms start at 0 (a scale of 1 + 0): random ones test the 1 + w form
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.5)
     with tempfile.TemporaryDirectory() as tmp:
         reference.save_pretrained(tmp)
         config = AutoConfig.from_pretrained(tmp)
