@@ -127,7 +127,8 @@ def test_an_unsupported_architecture_is_named(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="GGUF architecture 'phi3' is not supported; supported: gemma3, llama, qwen2"):
+    expected = "GGUF architecture 'phi3' is not supported; supported: gemma3, llama, qwen2"
+    with pytest.raises(ModelLoadError, match=expected):
         resolve_model_path(path, cache_dir=str(tmp_path / "cache"))
 
 
