@@ -38,6 +38,8 @@ ROLE_EVICTION_DEFAULT = {"context": "lru", "generation": "keep-hot"}
 class AppConfig(WorkerConfig):
     """One windserve application: a WorkerConfig plus what the HTTP layer needs.
 
+    ``mode``: ``"disagg"`` (context and generation workers, KV moved between them) or
+    ``"aggregated"`` (one worker type does both phases).
     ``api_key``: required as ``Authorization: Bearer`` on every ``/v1`` route;
     when unset (or None), read from $WINDSERVE_API_KEY. ``max_queue``: at most
     this many generation requests in flight per ingress replica (app.middleware);
