@@ -58,7 +58,7 @@ class AppConfig(WorkerConfig):
     aggregated worker's. ``handle_transport``: how the ingress's calls to the workers and
     their token streams travel: ``"grpc"``, one gRPC stream per call between the replicas
     (Serve's ``_by_reference=False``); ``"ray"``, Ray actor calls with one Ray object per
-    streamed update (Serve's default; ~1.6x the CPU per token on the ingress, bench/README).
+    streamed update (Serve's default; ~1.6x the CPU per token on the ingress, docs/benchmarks.md).
     ``engine_in_ingress`` (aggregated only): the ingress replica runs the engine itself, so a
     token reaches the HTTP response with no Serve hop from a worker replica (app.local_backend);
     scale it with the ingress's ``num_replicas`` (Serve's proxy spreads requests over them, with

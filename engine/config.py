@@ -47,7 +47,7 @@ def cpu_has_bf16() -> bool:
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """``"auto"``: bfloat16 on GPUs, float32 on CPUs. (On a CPU with native bf16 the small models here
-    decode slower in bf16 than in float32, README "Performance"; ``"bfloat16"`` asks for it.)"""
+    decode slower in bf16 than in float32, docs/benchmarks.md; ``"bfloat16"`` asks for it.)"""
     if dtype != "auto":
         return DTYPES[dtype]
     return torch.bfloat16 if resolve_device(device).startswith("cuda") else torch.float32
