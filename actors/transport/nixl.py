@@ -41,8 +41,7 @@ VRAM. UCX's cuda_ipc transport turns READs (get zcopy) off unless it sees
 NVLink; on a GPU without NVLink peers (one H200 in a VM, here) a READ of
 VRAM then fell back to tcp over loopback: 0.5 GB/s (docs/gpu.md,
 "The last GPU measurement"). So where CUDA is present ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` defaults to
-``yes``, unless the environment sets it. Not yet measured with it on (the GPU
-lease ran out first).
+``yes``, unless the environment sets it. Not yet measured with it on.
 
 Closing deregisters the pages and drops the agent, which ends its progress
 thread and UCX worker now rather than at process exit.
