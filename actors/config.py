@@ -15,7 +15,9 @@ TRANSPORTS = ("nixl", "local")
 
 @dataclass(frozen=True)
 class WorkerConfig(EngineConfig):
-    """``lease_s``: how long a context worker holds prefilled pages for a transfer.
+    """``transport``: how KV pages move between workers: ``"nixl"`` (NIXL over UCX, between
+    processes and machines) or ``"local"`` (within one process; the unit tests').
+    ``lease_s``: how long a context worker holds prefilled pages for a transfer.
     ``claim_s``: how long a claimed (in-transfer) lease may last.
     ``claim_timeout_s``: how long a generation worker waits for the context side to
     answer a Claim. A live context worker answers in milliseconds (its control

@@ -38,6 +38,8 @@ ROLE_EVICTION_DEFAULT = {"context": "lru", "generation": "keep-hot"}
 class AppConfig(WorkerConfig):
     """One windserve application: a WorkerConfig plus what the HTTP layer needs.
 
+    ``mode``: ``"disagg"`` (context and generation workers, KV moved between them) or
+    ``"aggregated"`` (one worker type does both phases).
     ``api_key``: required as ``Authorization: Bearer`` on every ``/v1`` route;
     when unset (or None), read from $WINDSERVE_API_KEY. ``max_queue``: at most
     this many generation requests in flight per ingress replica (app.middleware);
@@ -56,7 +58,7 @@ class AppConfig(WorkerConfig):
     aggregated worker's. ``handle_transport``: how the ingress's calls to the workers and
     their token streams travel: ``"grpc"``, one gRPC stream per call between the replicas
     (Serve's ``_by_reference=False``); ``"ray"``, Ray actor calls with one Ray object per
-    streamed update (Serve's default; ~1.6x the CPU per token on the ingress, bench/README).
+    streamed update (Serve's default; ~1.6x the CPU per token on the ingress, docs/benchmarks.md).
     ``engine_in_ingress`` (aggregated only): the ingress replica runs the engine itself, so a
     token reaches the HTTP response with no Serve hop from a worker replica (app.local_backend);
     scale it with the ingress's ``num_replicas`` (Serve's proxy spreads requests over them, with

@@ -4,7 +4,7 @@
                                                   (same process, same event loop: no Serve hop a token)
 
 An aggregated server's tokens otherwise cross a second Serve stream (worker replica -> ingress
-replica), whose CPU runs on the cores that compute the next step (bench/README, issue 29). Here
+replica), whose CPU runs on the cores that compute the next step (docs/benchmarks.md, issue 29). Here
 the ingress replica is the worker: ``app.serve_app.EngineIngress`` is an ``AggregatedReplica`` too
 (stats pushed to the board, ``abort``, ``ping``), and this backend reads its worker's updates in
 process. Scaling adds ingress replicas, each with its own engine, spread by Serve's proxy (no

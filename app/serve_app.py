@@ -44,10 +44,10 @@ INGRESS_MAX_QUEUED_REQUESTS = 1024
 # ``controller_options``; the proxy inherits the controller's environment):
 # - RAY_SERVE_PROXY_USE_GRPC: the proxy sends each request to the ingress, and gets its streamed response
 #   back, over gRPC (one gRPC stream per request, not a Ray object per chunk: the proxy's CPU per token
-#   1.4 -> 0.8-1.0 ms, bench/README). The ingress's own calls to the workers follow AppConfig.handle_transport.
+#   1.4 -> 0.8-1.0 ms, docs/benchmarks.md). The ingress's own calls to the workers follow AppConfig.handle_transport.
 # - RAY_SERVE_CONTROL_LOOP_INTERVAL_S: the controller's loop every 0.5 s, not 0.1: its idle CPU 44 -> 18-21
 #   ms a second, on the cores the engines use (served ITL at c = 1 7-17% lower in alternating runs,
-#   bench/README). Replica state changes (a dead replica's replacement included) advance once a loop.
+#   docs/benchmarks.md). Replica state changes (a dead replica's replacement included) advance once a loop.
 SERVE_CONTROLLER_OPTIONS = {"runtime_env": {"env_vars": {"RAY_SERVE_PROXY_USE_GRPC": "1",
                                                          "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}}}
 

@@ -1,2 +1,2 @@
 """Benchmarks: ``python -m bench.engine``, ``bench.transfer``, ``bench.serve`` and ``bench.soak``
-(see bench/README.md)."""
+(see docs/benchmarks.md)."""

@@ -22,7 +22,7 @@ Both systems run with one torch thread (the machine is shared; two threads
 under contention measured slower and far noisier), and under the malloc settings
 a CPU engine sets for its process (``engine.host_memory``), fixed before the first
 measurement: they are process-wide, so transformers gets them too (it gains more
-from them than we do: 1.4x on windserve-tiny at c = 32, bench/README.md).
+from them than we do: 1.4x on windserve-tiny at c = 32, docs/benchmarks.md).
 """
 
 from __future__ import annotations

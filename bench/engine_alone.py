@@ -3,7 +3,7 @@
 ``bench.serve_path`` times it before Ray starts and, between rounds of served requests, with every process
 it started stopped (SIGSTOP, then SIGCONT): the engine alone on the cores in the same minute as the served
 tokens it is compared with. An idle Ray + Serve cluster beside it slows it by ~15% on the 2-core box, and
-the box itself drifts by as much within minutes (bench/README, "Serve's HAProxy ingress").
+the box itself drifts by as much within minutes (docs/benchmarks.md, 2026-12-06 at af140d0).
 """
 
 from __future__ import annotations

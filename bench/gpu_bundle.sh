@@ -7,7 +7,7 @@
 # image, for CPython 3.12 on x86-64 Linux, installs them into a folder with --target, drops what
 # the checks never import (Ray's Java jars, dashboard build, rllib/data/train/tune/llm; NIXL's
 # expert-parallel libraries), and packs the rest as one tar.xz (~42 MB; a device call carries
-# 64 MiB). On the GPU machine (session 9's call, bench/README.md "On a GPU"):
+# 64 MiB). On the GPU machine (how the 2026-12-04 H200 check ran, docs/gpu.md):
 #
 #   mkdir -p /tmp/site && tar -xJf .devsite/site.tar.xz -C /tmp/site
 #   PYTHONPATH=/tmp/site PY=python3 bash bench/gpu_check.sh

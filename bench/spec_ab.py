@@ -3,7 +3,7 @@
     python -m bench.spec_ab [--reps 4] [--quick]
 
 For each rep, both policies in turn (the current one; ``prior_drafts=2``: the
-policy before session 7, the engine's recent acceptance weighted as 2 drafts in
+policy before 09d7fb2 (2026-12-03), the engine's recent acceptance weighted as 2 drafts in
 a request's estimate instead of 8), each on gptoss-mid and windserve-tiny,
 repetitive and random text, batch 1,
 ``bench.engine_spec.speculative`` (no drafts vs up to 4 n-gram drafts, outputs must be

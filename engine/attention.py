@@ -18,7 +18,7 @@ from engine.native import paged_decode_kernel, write_kv_kernel
 _INVARIANT_KEY_BLOCK = 512
 # On CUDA, every SDPA backend but cuDNN's: cuDNN builds an execution plan per new shape, and a
 # bucket's key width changes nearly every step: 7.4 ms of host time per call in bf16 on an H200,
-# 84% of a decode step (bench/README.md, "On a GPU"). Float32 never took the cuDNN backend.
+# 84% of a decode step (docs/gpu.md). Float32 never took the cuDNN backend.
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -216,7 +216,7 @@ def attend_with_prefix(q, k, v, prefix, scale, sinks=None) -> torch.Tensor:
 def _per_query_head(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[R, Hkv, K, D] as the CPU kernel takes it: as it is where the kernel maps query head ``h`` to KV
     head ``h // G`` itself (torch 2.13: bit-identical, no copy; 4-11% less time per causal prefill
-    call, bench/README.md), else repeated to [R, num_heads, K, D]."""
+    call, docs/benchmarks.md), else repeated to [R, num_heads, K, D]."""
     if t.shape[1] == num_heads or _kernel_takes_grouped_heads():
         return t
     return t.repeat_interleave(num_heads // t.shape[1], dim=1)

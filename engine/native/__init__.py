@@ -47,9 +47,9 @@ def _build_tag() -> str:
     """The sources (headers included: torch's builder versions the listed sources only), the CPU (the
     build uses ``-march=native``, so a cache shared by two kinds of CPU must not mix their builds) and
     the checkout's path: torch's build folder records its sources' paths, so two checkouts of the same
-    sources sharing one folder rebuilt it in turn, each under the other's lock (seen in session 13); and
+    sources sharing one folder rebuilt it in turn, each under the other's lock (seen on 2026-12-04); and
     the ``ninja`` on PATH: ninja 1.12 changed the command hash in its build log, so a shell with the
-    venv's ninja (1.13) and one with the system's (1.11) rebuilt one folder in turn (session 14)."""
+    venv's ninja (1.13) and one with the system's (1.11) rebuilt one folder in turn (seen on 2026-12-05)."""
     digest = hashlib.sha1(platform.machine().encode())
     digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
     digest.update(_HERE.encode())
@@ -82,7 +82,7 @@ def clear_stale_lock(build_directory: str, min_age_s: float = STALE_LOCK_S) -> b
     """Remove the build folder's ``lock`` if a killed build left it: older than ``min_age_s`` while no
     process works in the folder (torch runs ninja there for the whole compile). torch's builder waits on
     that lock for ever, so one ``serve run`` stopped during its first build hung every later start
-    (seen in session 21). True when a lock was removed."""
+    (seen on 2026-12-05). True when a lock was removed."""
     lock = os.path.join(build_directory, "lock")
     try:
         age = time.time() - os.stat(lock).st_mtime

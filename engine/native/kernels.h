@@ -62,7 +62,7 @@ void add_weighted_row(float* y, const float* v, float weight, int64_t width);
 // while the row is dotted. On the 2-core Intel VM of 2026-12-05 the hardware prefetchers left those
 // loops latency-bound: a one-thread Q4_1 [1536, 576] matmul over 142 MB of weights streamed 2.8-3.1
 // GB/s (10 GB/s L2-hot) and 6.8-6.9 with 2-4 KiB ahead; the SmolLM2 batch-1 decode step went from 13.4
-// to 8.9 ms at 2 threads; 8 KiB ahead: 10.1 ms (bench/README, session 21).
+// to 8.9 ms at 2 threads; 8 KiB ahead: 10.1 ms (docs/benchmarks.md, 2026-12-05 at 7c21fbd).
 constexpr int64_t kPrefetchBytes = 2048;
 // The `bytes` at `row` + kPrefetchBytes, line by line, none at or past `end` (the weight's last byte + 1).
 inline void prefetch_ahead(const void* row, int64_t bytes, const void* end) {

@@ -1,5 +1,5 @@
 """bench.llama_engine's own logic: the llama-bench command and how its JSON becomes ms per token (the bench itself
-needs a llama.cpp build, ~10 min: run by hand, figures in bench/README)."""
+needs a llama.cpp build, ~10 min: run by hand, figures in docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """bench.serve_path's pure parts: the servers it compares, and the engine step it divides the ITL by.
 
-The served runs themselves take minutes and a quiet machine (bench/README); here, without Ray: every
+The served runs themselves take minutes and a quiet machine (docs/benchmarks.md); here, without Ray: every
 mode's config is one the app accepts and builds into the deployments the mode names, and the engine's
 step is measured at the contexts the served requests decode at.
 """

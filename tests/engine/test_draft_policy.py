@@ -74,7 +74,7 @@ def test_a_request_that_stopped_drafting_probes_again_ever_more_rarely():
 
 
 def test_the_previous_policy_never_probes_again():
-    """``explore=0, fit_drafting=False``, a fixed prior of 0.5 weighted as 2 drafts (the policy of session 4):
+    """``explore=0, fit_drafting=False``, a fixed prior of 0.5 weighted as 2 drafts (the policy of d2bdb01, 2026-12-03):
     two rejections stop it for good."""
     previous = DraftLengthPolicy(4, explore=0.0, fit_drafting=False, shared_prior=False, prior_drafts=2)
     assert [previous.draft_len(0, 2, steps) for steps in (0, 5, 1000)] == [0, 0, 0]

@@ -29,7 +29,7 @@ from tests.reliability.conftest import (
 
 NUM_REQUESTS = 200
 MAX_LATENCY_S = 60.0
-# A 503 is decided in the ingress behind Serve's proxy on the loaded cores: up to 8.6 s seen (RELIABILITY.md).
+# A 503 is decided in the ingress behind Serve's proxy on the loaded cores: up to 8.6 s seen (docs/reliability.md).
 MAX_REJECT_S = 20.0
 # 16 admitted at a time; a request that arrives after some finish is admitted too. A max_queue that admits
 # more than 4 queues' worth of 200 at once is broken.
