@@ -12,8 +12,10 @@ class StopChecker:
 
     Stops on EOS (unless ``ignore_eos``), a stop token id, ``max_tokens``,
     ``max_model_len``, or a stop string; a stop string and everything after
-    it is cut from the text. Text that could still grow into a stop string is
-    held back from streaming until it cannot.
+    it is cut from the text. Until more than ``min_tokens`` outputs are out
+    no stop string counts (vLLM's rule; EOS and stop ids cannot be sampled
+    before ``min_tokens``: engine.penalties masks them). Text that could still
+    grow into a stop string is held back from streaming until it cannot.
     """
 
     def __init__(self, request: Request, decoder: IncrementalDecoder, eos_token_ids: tuple[int, ...],
@@ -36,7 +38,7 @@ class StopChecker:
             if token_id in params.stop_token_ids:
                 return FinishReason.STOP
             request.text += self.decoder.push(token_id)
-            if params.stop and self._cut_at_stop_string():
+            if params.stop and request.num_output_tokens > params.min_tokens and self._cut_at_stop_string():
                 return FinishReason.STOP
             if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 return FinishReason.LENGTH
