@@ -15,7 +15,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from engine.gpu.sampling import SamplingRows, penalize, sample_tokens
 from engine.params import SamplingParams
-from engine.penalties import TokenHistory, penalty_rows
+from engine.penalties import TokenHistory, history_of, penalty_rows, verify_histories
+from engine.request import Request
 from engine.sampler import Sampler, processed_logits
 
 EOS = 0
@@ -113,19 +114,31 @@ def test_neutral_params_cost_nothing_and_missing_histories_fail_loudly():
         Sampler().sample(logits, [SamplingParams(presence_penalty=1.0)] * 2, [None] * 2)
 
 
-def test_greedy_verification_under_penalties_equals_the_sequential_rows():
-    """Row i of a verify step sees drafts[:i] as outputs: with the drafts the sequential greedy
-    tokens, every draft is accepted and the bonus is the next sequential token."""
-    torch.manual_seed(0)
-    vocab, prompt = 12, [1, 2, 3]
-    params = SamplingParams(max_tokens=20, frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.4)
-    logits = torch.randn(4, vocab) + torch.linspace(3, 0, vocab)  # low ids lead: penalties must move greedy
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.integers(3, 8), st.integers(1, 4), st.integers(0, 2**31))
+def test_greedy_verification_under_penalties_equals_the_sequential_decode(data, vocab_size, num_drafts, seed):
+    """A verify step whose drafts are the sequential greedy tokens accepts them all and emits the next
+    sequential token: row i counts drafts[:i] as outputs (engine.penalties.verify_histories)."""
+    params, _ = data.draw(rows(vocab_size))
+    params = SamplingParams(max_tokens=20, **_fields(params))
+    outputs = data.draw(st.lists(st.integers(0, vocab_size - 1), max_size=4))
+    request = Request("r", data.draw(st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=6)), params, 0,
+                      output_token_ids=list(outputs), eos_token_ids=(EOS,))
+    logits = torch.randn(num_drafts + 1, vocab_size, generator=torch.Generator().manual_seed(seed)) * 2
     sequential: list[int] = []
-    for row in range(4):
-        history = TokenHistory(prompt, list(sequential), ())
-        sequential.append(Sampler().sample(logits[row:row + 1], [params], [None], histories=[history]).token_ids[0])
-    histories = [TokenHistory(prompt, sequential[:i], ()) for i in range(4)]
-    result = Sampler().verify(logits, sequential[:3], params, None, histories=histories)
-    assert result.token_ids == sequential and result.num_accepted == 3
-    unpenalized = Sampler().verify(logits, sequential[:3], SamplingParams(max_tokens=20), None)
-    assert unpenalized.token_ids != sequential  # the penalties changed greedy here
+    for row in range(num_drafts + 1):
+        sequential += Sampler().sample(logits[row:row + 1], [params], [None],
+                                       histories=[history_of(request, sequential)]).token_ids
+    result = Sampler().verify(logits, sequential[:-1], params, None,
+                              histories=verify_histories(request, sequential[:-1]))
+    assert result.token_ids == sequential and result.num_accepted == num_drafts
+
+
+def test_a_verify_row_counts_the_drafts_before_it():
+    """Row 1 follows draft d0 = 2: with it counted, frequency 2 pulls token 2 below token 1."""
+    params = SamplingParams(max_tokens=8, frequency_penalty=2.0)
+    request = Request("r", [0], params, 0)
+    logits = torch.tensor([[0.0, 1.0, 3.0], [0.0, 2.5, 3.0]])
+    assert [h.output_token_ids for h in verify_histories(request, [2])] == [[], [2]]
+    result = Sampler().verify(logits, [2], params, None, histories=verify_histories(request, [2]))
+    assert result.token_ids == [2, 1]
