@@ -37,16 +37,20 @@ class StopChecker:
                 return FinishReason.STOP
             if token_id in params.stop_token_ids:
                 return FinishReason.STOP
+            text_before = len(request.text)
             request.text += self.decoder.push(token_id)
-            if params.stop and request.num_output_tokens > params.min_tokens and self._cut_at_stop_string():
+            if params.stop and request.num_output_tokens > params.min_tokens and self._cut_at_stop_string(
+                    text_before if params.min_tokens else 0):
                 return FinishReason.STOP
             if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 return FinishReason.LENGTH
         return None
 
-    def _cut_at_stop_string(self) -> bool:
+    def _cut_at_stop_string(self, new_from: int) -> bool:
+        """``new_from``: where this token's text starts; a stop string must end past it (with min_tokens,
+        one that ended before min_tokens tokens were out no longer counts)."""
         text = self.request.text
-        search_from = max(0, len(self.request.emitted_text) - self.hold_back)
+        search_from = max(0, len(self.request.emitted_text) - self.hold_back, new_from - self.hold_back)
         hits = [i for i in (text.find(s, search_from) for s in self.request.params.stop) if i >= 0]
         if not hits:
             return False

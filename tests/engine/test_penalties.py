@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from engine.gpu.sampling import SamplingRows, penalize, sample_tokens
+from engine.outputs import FinishReason
 from engine.params import SamplingParams
 from engine.penalties import TokenHistory, history_of, penalty_rows, verify_histories
 from engine.request import Request
 from engine.sampler import Sampler, processed_logits
+from engine.stopping import StopChecker
 
 EOS = 0
 
@@ -142,3 +144,24 @@ def test_a_verify_row_counts_the_drafts_before_it():
     assert [h.output_token_ids for h in verify_histories(request, [2])] == [[], [2]]
     result = Sampler().verify(logits, [2], params, None, histories=verify_histories(request, [2]))
     assert result.token_ids == [2, 1]
+
+
+class _Letters:
+    """An IncrementalDecoder stand-in: token t is the letter chr(t)."""
+
+    def push(self, token_id: int) -> str:
+        return chr(token_id)
+
+    def flush(self) -> str:
+        return ""
+
+
+@pytest.mark.parametrize("min_tokens, stops_after", [(0, 2), (3, 4)])
+def test_no_stop_string_ends_a_request_before_min_tokens(min_tokens, stops_after):
+    """vLLM's rule: a stop string counts only once more than min_tokens tokens are out."""
+    params = SamplingParams(max_tokens=8, stop=("b",), min_tokens=min_tokens)
+    request = Request("r", [1], params, 0)
+    checker = StopChecker(request, _Letters(), (), max_model_len=100)
+    reasons = [checker.add_tokens([ord(letter)], [None]) for letter in "abcb"[:stops_after]]
+    assert reasons[-1] == FinishReason.STOP and not any(reasons[:-1])
+    assert request.text == "abcb"[:stops_after - 1]  # cut at the b that ended it, not an earlier one
