@@ -165,3 +165,21 @@ def test_no_stop_string_ends_a_request_before_min_tokens(min_tokens, stops_after
     reasons = [checker.add_tokens([ord(letter)], [None]) for letter in "abcb"[:stops_after]]
     assert reasons[-1] == FinishReason.STOP and not any(reasons[:-1])
     assert request.text == "abcb"[:stops_after - 1]  # cut at the b that ended it, not an earlier one
+
+
+def test_the_static_steps_rows_count_the_drafts_before_them():
+    """engine.gpu.static_runner lays a verify step's rows out token by token (request 0: 1 row,
+    request 1: its pending token then 2 drafts); each row is processed with its own history."""
+    from types import SimpleNamespace
+
+    from engine.gpu.static_runner import _processed
+
+    params = SamplingParams(max_tokens=8, frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.5)
+    requests = [Request("a", [1], params, 0, output_token_ids=[2]), Request("b", [3], params, 1)]
+    drafts = [[], [4, 4]]
+    scheduled = [SimpleNamespace(request=r, draft_token_ids=d, num_query_tokens=1 + len(d))
+                 for r, d in zip(requests, drafts)]
+    logits = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    histories = [history_of(requests[0])] + verify_histories(requests[1], drafts[1])
+    assert [list(h.output_token_ids) for h in histories] == [[2], [], [4], [4, 4]]
+    torch.testing.assert_close(_processed(logits, scheduled), processed_logits(logits, [params] * 4, histories))
