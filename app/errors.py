@@ -73,8 +73,8 @@ def validation_error_to_api_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return bad_request("Request body is not valid JSON")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = loc[0] if loc else None
     error = (first.get("ctx") or {}).get("error")
+    param = loc[0] if loc else getattr(error, "param", None)  # a whole-body check names its field itself
     message = str(error) if first.get("type") == "value_error" and error else first.get("msg", "")
     return bad_request(f"{param}: {message}" if param else message, param=param)
 

@@ -67,9 +67,19 @@ class ServingContext:
             )
         max_tokens = clamp_max_tokens(request.requested_max_tokens(), prompt_len, max_model_len)
         try:
-            return request.to_sampling_params(max_tokens)
+            params = request.to_sampling_params(max_tokens)
         except ValueError as exc:
             raise bad_request(str(exc)) from exc
+        self._check_logit_bias(params)
+        return params
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        """A bias on a token the model does not have would be dropped: a 400 naming it instead."""
+        vocab_size = getattr(self.tokenizer, "vocab_size", None)  # test tokenizers may not say
+        outside = [token_id for token_id, _ in params.logit_bias if vocab_size is not None and token_id >= vocab_size]
+        if outside:
+            raise bad_request(f"logit_bias: token id {outside[0]} is outside the vocabulary (size {vocab_size})",
+                              param="logit_bias")
 
 
 class GenerationRun:

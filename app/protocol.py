@@ -1,11 +1,20 @@
 """OpenAI request schemas (pydantic) and their mapping onto SamplingParams.
 
-Unknown fields are ignored: OpenAI clients send many (``user``,
-``response_format``, ``tools`` ...), and ``null`` means "the default", as
-clients that serialize every optional field expect. Known fields that would change the
-answer and that windserve does not implement (``n > 1``, ``best_of``,
-``echo``, non-text content parts) are rejected with a 400 rather than
-silently ignored.
+Every field that changes the answer is honoured or rejected, never silently
+ignored (docs/openai_fields.md lists each field and its handling):
+
+- honoured: the sampling fields, OpenAI's (``temperature``, ``top_p``,
+  ``seed``, ``stop``, ``presence_penalty``, ``frequency_penalty``,
+  ``logit_bias``, ``logprobs`` ...) and vLLM's (``top_k``,
+  ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``);
+- a 400 naming the field (``ParamError``, from app.unimplemented's tables)
+  when it asks for what windserve lacks: ``response_format`` other than
+  text, ``tools`` / ``tool_choice``, structured and guided outputs,
+  ``n > 1``, ``best_of``, ``echo``, ``suffix``, ``audio`` ..., and non-text
+  content parts;
+- ignored: fields that cannot change the tokens (``user``, ``metadata``,
+  ``store``, ``service_tier`` ...) and any unknown field. ``null`` means
+  "the default", as clients that serialize every optional field expect.
 
 Length policy (the prompt must leave room for one token; ``max_tokens`` is
 then clamped, not rejected)::
@@ -22,7 +31,7 @@ clamped request reports ``finish_reason="length"`` like any other.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -35,7 +44,8 @@ from pydantic import (
     model_validator,
 )
 
-from engine.params import SamplingParams
+from app.unimplemented import CHAT, COMMON, COMPLETION, Unimplemented, first_unimplemented
+from engine.params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, SamplingParams
 
 
 def _encodable(text: str) -> str:
@@ -71,6 +81,7 @@ class SamplingFields(BaseModel):
     """Fields common to completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
+    UNIMPLEMENTED: ClassVar[dict[str, Unimplemented]] = COMMON
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -84,6 +95,11 @@ class SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM extension
+    logit_bias: dict[str, float] = Field(default_factory=dict)
+    min_tokens: int = Field(default=0, ge=0)  # vLLM extension
 
     @model_validator(mode="before")
     @classmethod
@@ -91,6 +107,26 @@ class SamplingFields(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unimplemented(cls, data: object) -> object:
+        """A field that would change the answer, and that windserve lacks, is a 400 naming it."""
+        found = first_unimplemented(data, cls.UNIMPLEMENTED) if isinstance(data, dict) else None
+        if found is not None:
+            raise ParamError(*found)
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, bias: dict[str, float]) -> dict[str, float]:
+        """OpenAI's keys are token ids as strings; the vocabulary bound is checked once it is known."""
+        for key, value in bias.items():
+            if not key.strip().isdecimal():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"the bias of token {key} must be in [-100, 100], got {value}")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -130,30 +166,21 @@ class SamplingFields(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(key): value for key, value in self.logit_bias.items()},
+            min_tokens=self.min_tokens,
         )
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
+    UNIMPLEMENTED: ClassVar[dict[str, Unimplemented]] = COMPLETION
+
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("best_of")
-    @classmethod
-    def _only_best_of_one(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return best_of
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt; a batch of several, or an empty one, raises ParamError."""
@@ -202,6 +229,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
+    UNIMPLEMENTED: ClassVar[dict[str, Unimplemented]] = CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False

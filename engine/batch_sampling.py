@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.penalties import any_processors, history_of
 from engine.request import Request
 from engine.runner import RunOutput
 from engine.sampler import Sampler, SampleResult
@@ -47,8 +48,10 @@ def sample_batch(sampler: Sampler, scheduled: list[ScheduledRequest], output: Ru
     logits = output.logits
     if rows != list(range(logits.shape[0])):  # not simply every row in order (a decode step's): pick them
         logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-    result = sampler.sample(logits, [r.params for r in requests], [r.generator for r in requests],
-                            [(r.seed, r.num_output_tokens) for r in requests])
+    params = [r.params for r in requests]
+    histories = [history_of(r) for r in requests] if any_processors(params) else None
+    result = sampler.sample(logits, params, [r.generator for r in requests],
+                            [(r.seed, r.num_output_tokens) for r in requests], histories)
     for j, (i, request) in enumerate(zip(picked, requests)):
         token_ids[i], logprobs[i] = request.given_or_sampled(result.token_ids[j], result.logprobs[j])
     return SampleResult(token_ids, logprobs)

@@ -132,7 +132,7 @@ class LLMEngine(ReceivingEntries):
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         generator = None if params.is_greedy else torch.Generator(device="cpu")
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), generator,
-                          prefill_only, seed)
+                          prefill_only, seed, self.tokenizer.eos_token_ids)
         request.block_hashes = self._prompt_hashes(request.prompt_token_ids)
         decoder = IncrementalDecoder(self.tokenizer, prompt_ids=prompt_token_ids)
         self._requests[request_id] = request

@@ -16,7 +16,8 @@ while a launched, uncollected step may read or write it** (``InFlight.frees``). 
 release is computed from), so only whole-request frees wait.
 
 A step is overlapped when every request in it is a plain decode (one token, no drafts, not replaying
-given outputs, not prefill-only) on the static path; the next one is launched ahead only while the
+given outputs, not prefill-only, no logits processors: engine.penalties reads its tokens on the host) on
+the static path; the next one is launched ahead only while the
 running requests are exactly the in-flight step's (nothing waiting, nothing added or aborted since), and
 only for those that do not end by length at n. Anything else collects the in-flight step and returns to
 the ordinary schedule-run-postprocess step (the pipeline drains for one step).
@@ -63,10 +64,12 @@ def uses_async_scheduling(config: EngineConfig, static: StaticStepRunner | None,
 
 
 def may_overlap(scheduled: list[ScheduledRequest], scheduler: Scheduler) -> bool:
-    """Every request is a plain decode: the next step's inputs follow from this one's on the device."""
+    """Every request is a plain decode: the next step's inputs follow from this one's on the device
+    (and nothing of it reads its tokens on the host: no logits processors)."""
     return scheduler.propose is None and all(
         item.is_decode and item.reaches_end and not item.draft_token_ids
         and not item.request.prefill_only and not item.request.is_replaying
+        and not item.request.params.has_processors  # its penalties read the token still on the device
         for item in scheduled)
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon
+MAX_ABS_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,13 @@ class SamplingParams:
     ``seed`` makes a sampled request reproducible on its own, whatever it is
     batched with. ``logprobs`` asks for the chosen token's log-probability
     plus that many top alternatives per generated token (0 = chosen only).
+
+    The logits processors (engine.penalties, applied before greedy and
+    sampling alike): ``presence_penalty`` / ``frequency_penalty`` (OpenAI's,
+    over the output tokens), ``repetition_penalty`` (vLLM's, over prompt and
+    output tokens; 1 = off), ``logit_bias`` (token id -> bias, a dict is kept
+    as sorted pairs so the params stay hashable), ``min_tokens`` (EOS and stop
+    token ids masked until that many tokens are out).
     """
 
     max_tokens: int = 16
@@ -27,6 +37,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -45,7 +60,31 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        bias = tuple(sorted((int(token_id), float(value)) for token_id, value in bias))
+        object.__setattr__(self, "logit_bias", bias)
+        for token_id, value in bias:
+            if token_id < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token_id}")
+            if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias of token {token_id} must be in [-100, 100], got {value}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def has_processors(self) -> bool:
+        """Any logits processor that changes a logit: False costs a request nothing (engine.penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)

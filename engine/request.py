@@ -36,6 +36,7 @@ class Request:
     generator: torch.Generator | None = None
     prefill_only: bool = False
     seed: int = 0
+    eos_token_ids: tuple[int, ...] = ()  # what min_tokens masks beside the stop token ids (engine.penalties)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     given_outputs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # kept, not drawn (resume)

@@ -4,9 +4,10 @@ Two distributions matter per row of logits:
 
 - the *raw* distribution, ``log_softmax(logits)``: what logprobs report
   (as vLLM does), whatever the sampling parameters;
-- the *sampling* distribution ``p`` (see ``sampling_probs``): temperature,
-  then top-k, then top-p; one-hot at the argmax for greedy rows. Sampling and
-  verification draw from ``p``.
+- the *sampling* distribution ``p`` (see ``sampling_probs``) of the
+  processed logits (penalties, logit bias, min_tokens: engine.penalties, when
+  a row's params ask for any): temperature, then top-k, then top-p; one-hot at
+  the argmax for greedy rows. Sampling and verification draw from ``p``.
 
 Randomness comes only from the per-request ``torch.Generator`` passed in, so
 a seeded request's tokens do not depend on what it is batched with. On an
@@ -24,10 +25,11 @@ from typing import NamedTuple
 
 import torch
 
-from engine.gpu.sampling import counter_draws
+from engine.gpu.sampling import counter_draws, penalize
 from engine.native import argmax_rows_kernel
 from engine.outputs import TokenLogprob
 from engine.params import SamplingParams
+from engine.penalties import TokenHistory, any_processors, penalty_rows
 
 
 class SampleResult(NamedTuple):
@@ -50,6 +52,16 @@ def greedy_token_ids(logits: torch.Tensor) -> list[int]:
     if kernel is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0:
         return kernel(logits.contiguous()).tolist()
     return logits.argmax(dim=-1).tolist()
+
+
+def processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     histories: Sequence[TokenHistory] | None) -> torch.Tensor:
+    """``logits`` after each row's processors (engine.penalties); ``logits`` itself where no row has one."""
+    if not any_processors(params):
+        return logits
+    if histories is None:  # a processor silently skipped would be an answer the caller did not ask for
+        raise ValueError("penalties, logit_bias or min_tokens need each row's token history")
+    return penalize(logits, penalty_rows(params, histories, logits.shape[-1], logits.device))
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -171,6 +183,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         keys: Sequence[tuple[int, int]] | None = None,
+        histories: Sequence[TokenHistory] | None = None,
     ) -> SampleResult:
         """Pick one token per row of ``logits`` ``[n, V]``.
 
@@ -178,14 +191,16 @@ class Sampler:
         (``None``: torch's global generator), so a seeded request gets the
         same tokens alone or in any batch. Greedy rows draw nothing.
         Logprobs (where ``params[i].logprobs`` is set) are of the raw logits.
+        ``histories[i]``: row i's tokens, for the logits processors (None: no row has any).
         """
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(
                 f"{logits.shape[0]} rows, {len(params)} params, {len(generators)} generators"
             )
+        scores = processed_logits(logits, params, histories)
         if all(p.is_greedy and p.logprobs is None for p in params):  # the common case: no probabilities needed
-            return SampleResult(greedy_token_ids(logits), [None] * len(params))
-        probs = sampling_probs(logits, params)
+            return SampleResult(greedy_token_ids(scores), [None] * len(params))
+        probs = sampling_probs(scores, params)
         greedy_ids = probs.argmax(dim=-1).tolist()
         if self.counter_draws and keys is not None:  # keys[i]: (seed, output index) of row i
             drawn = counter_draws(probs, [k[0] for k in keys], [k[1] for k in keys]).tolist()
@@ -206,6 +221,7 @@ class Sampler:
         generator: torch.Generator | None,
         reseed: Callable[[int], None] | None = None,
         key: tuple[int, int] | None = None,
+        histories: Sequence[TokenHistory] | None = None,
     ) -> VerifyResult:
         """Check ``k`` drafts of one request against the target model's ``[k+1, V]`` logits.
 
@@ -224,16 +240,18 @@ class Sampler:
         is the one sampling without speculation draws. With ``counter_draws`` and
         ``key`` (seed, row 0's output index) row ``i`` draws the counter-based token of
         output index ``key[1] + i`` instead, as the device's verification does.
+        ``histories[i]``: row i's tokens, drafts before it included (engine.penalties.verify_histories).
         """
         num_drafts = len(draft_token_ids)
         if logits.shape[0] != num_drafts + 1:
             raise ValueError(
                 f"{num_drafts} drafts need {num_drafts + 1} rows of logits, got {logits.shape[0]}"
             )
+        scores = processed_logits(logits, [params] * (num_drafts + 1), histories)
         if params.is_greedy:
-            token_ids = self._verify_greedy(logits, draft_token_ids)
+            token_ids = self._verify_greedy(scores, draft_token_ids)
         else:
-            probs = sampling_probs(logits, [params] * (num_drafts + 1))
+            probs = sampling_probs(scores, [params] * (num_drafts + 1))
             if self.counter_draws and key is not None:
                 drawn = counter_draws(probs, [key[0]] * (num_drafts + 1),
                                       [key[1] + i for i in range(num_drafts + 1)]).tolist()

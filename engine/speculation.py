@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.draft_policy import DraftLengthPolicy
 from engine.drafter import make_drafter
 from engine.outputs import TokenLogprob
+from engine.penalties import verify_histories
 from engine.request import Request
 from engine.sampler import Sampler, VerifyResult
 from engine.scheduler import ScheduledRequest
@@ -53,9 +54,12 @@ class Speculation:
         accepted drafts count as computed."""
         request = item.request
         if result is None:
+            has_processors = request.params.has_processors
             result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator,
                                          reseed=lambda row: seed_for_output(request, ahead=row),
-                                         key=(request.seed, request.num_output_tokens))
+                                         key=(request.seed, request.num_output_tokens),
+                                         histories=verify_histories(request, item.draft_token_ids)
+                                         if has_processors else None)
         request.num_drafts_proposed += len(item.draft_token_ids)
         request.num_drafts_accepted += result.num_accepted
         if self.policy is not None:

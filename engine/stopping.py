@@ -12,8 +12,10 @@ class StopChecker:
 
     Stops on EOS (unless ``ignore_eos``), a stop token id, ``max_tokens``,
     ``max_model_len``, or a stop string; a stop string and everything after
-    it is cut from the text. Text that could still grow into a stop string is
-    held back from streaming until it cannot.
+    it is cut from the text. Until more than ``min_tokens`` outputs are out
+    no stop string counts (vLLM's rule; EOS and stop ids cannot be sampled
+    before ``min_tokens``: engine.penalties masks them). Text that could still
+    grow into a stop string is held back from streaming until it cannot.
     """
 
     def __init__(self, request: Request, decoder: IncrementalDecoder, eos_token_ids: tuple[int, ...],
@@ -35,16 +37,20 @@ class StopChecker:
                 return FinishReason.STOP
             if token_id in params.stop_token_ids:
                 return FinishReason.STOP
+            text_before = len(request.text)
             request.text += self.decoder.push(token_id)
-            if params.stop and self._cut_at_stop_string():
+            if params.stop and request.num_output_tokens > params.min_tokens and self._cut_at_stop_string(
+                    text_before if params.min_tokens else 0):
                 return FinishReason.STOP
             if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 return FinishReason.LENGTH
         return None
 
-    def _cut_at_stop_string(self) -> bool:
+    def _cut_at_stop_string(self, new_from: int) -> bool:
+        """``new_from``: where this token's text starts; a stop string must end past it (with min_tokens,
+        one that ended before min_tokens tokens were out no longer counts)."""
         text = self.request.text
-        search_from = max(0, len(self.request.emitted_text) - self.hold_back)
+        search_from = max(0, len(self.request.emitted_text) - self.hold_back, new_from - self.hold_back)
         hits = [i for i in (text.find(s, search_from) for s in self.request.params.stop) if i >= 0]
         if not hits:
             return False

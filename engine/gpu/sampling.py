@@ -1,4 +1,5 @@
-"""Sampling on the device: greedy, temperature, top-k, top-p, and verification of drafts, with no host sync.
+"""Sampling on the device: penalties and logit bias, greedy, temperature, top-k, top-p, and verification
+of drafts, with no host sync.
 
 Draws use counter-based noise, a hash of (seed, output index, token id), instead of a generator per
 request: the same seeded request draws the same token wherever it sits in a batch, whatever the
@@ -57,6 +58,35 @@ def filtered_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     drop = (mass_before >= top_p) & (top_p < 1.0) & (ranks > 0)
     sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     return torch.zeros_like(scaled).scatter_(-1, sorted_ids, sorted_probs)
+
+
+class PenaltyRows(NamedTuple):
+    """The logits processors per token row, built by engine.penalties: dense over the vocabulary
+    [N, V] ``bias`` (logit_bias, -inf where min_tokens masks a stop id), ``seen`` (in the prompt or the
+    outputs: what the repetition penalty reads) and ``counts`` (in the outputs); per row [N, 1]
+    ``repetition`` (1 = off), ``frequency``, ``presence`` (0 = off)."""
+
+    bias: torch.Tensor
+    seen: torch.Tensor
+    counts: torch.Tensor
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+
+
+def penalize(logits: torch.Tensor, rows: PenaltyRows) -> torch.Tensor:
+    """Processed float32 logits [N, V], in vLLM's order::
+
+        s = logits + bias                                      (logit_bias; min_tokens' -inf)
+        s = s * r if s < 0 else s / r        where seen        (transformers' RepetitionPenalty)
+        s = s - frequency * count - presence * (count > 0)     (OpenAI's formula)
+
+    A row whose processors are off keeps its logits (bias 0, r 1, penalties 0). ``logits`` is not
+    modified: logprobs still report the raw distribution."""
+    scores = logits.float() + rows.bias
+    repeated = torch.where(scores < 0, scores * rows.repetition, scores / rows.repetition)
+    scores = torch.where(rows.seen, repeated, scores)
+    return scores - rows.frequency * rows.counts - rows.presence * (rows.counts > 0).float()
 
 
 class SamplingRows(NamedTuple):

@@ -2,7 +2,8 @@
 
     launch:  scheduled ──► StepRequest per request ──► StaticStepBuffers.fill + upload (one host->device copy)
                        ──► CudaGraphs.replay(size) or forward_static eagerly ──► logits [live tokens, V]
-                       ──► sample_tokens, accepted_drafts, logprobs ──► one queued device->host copy
+                       ──► penalize (if asked), sample_tokens, accepted_drafts, logprobs
+                       ──► one queued device->host copy
     collect: wait for that copy ──► StepSamples
 
 ``run`` is launch then collect. engine.overlap launches step n+1 before collecting step n.
@@ -20,10 +21,11 @@ import torch
 
 from engine.gpu.graph_runner import CudaGraphs
 from engine.gpu.paged_attention import default_num_splits
-from engine.gpu.sampling import SamplingRows, accepted_drafts, sample_tokens, top_logprobs
+from engine.gpu.sampling import SamplingRows, accepted_drafts, penalize, sample_tokens, top_logprobs
 from engine.gpu.step_buffers import StaticStepBuffers, StepRequest, StepShape
 from engine.models.decoder import StaticAttention
 from engine.outputs import TokenLogprob
+from engine.penalties import any_processors, penalty_rows, verify_histories
 from engine.sampler import SampleResult, VerifyResult
 from engine.scheduler import ScheduledRequest
 from kvcache import KVCacheManager
@@ -135,7 +137,7 @@ class StaticStepRunner:
         rows = SamplingRows(buffers.float_view("temperature", num_tokens), buffers.token_view("top_k", num_tokens),
                             buffers.float_view("top_p", num_tokens), *buffers.seeds(num_tokens),
                             buffers.token_view("counters", num_tokens))
-        ids = sample_tokens(logits, rows, is_greedy=all(p.is_greedy for p in params),
+        ids = sample_tokens(_processed(logits, scheduled), rows, is_greedy=all(p.is_greedy for p in params),
                             is_filtered=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params))
         buffers.keep_samples(ids)
         parts = [ids]
@@ -155,6 +157,17 @@ class StaticStepRunner:
         copied = torch.cuda.Event()
         copied.record()
         return LaunchedStep(scheduled, logits, spans, host, copied, num_top)
+
+
+def _processed(logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    """The logits after each token row's processors (engine.penalties: a verify row's drafts before it
+    count as outputs), or ``logits`` where no request has any. The host knows every row's tokens: a
+    request with processors never rides an overlapped step (engine.overlap.may_overlap)."""
+    if not any_processors([item.request.params for item in scheduled]):
+        return logits
+    params = [item.request.params for item in scheduled for _ in range(item.num_query_tokens)]
+    histories = [h for item in scheduled for h in verify_histories(item.request, item.draft_token_ids)]
+    return penalize(logits, penalty_rows(params, histories, logits.shape[-1], logits.device))
 
 
 def split_plan(sizes: list[int], windows: dict[str, int | None], kv_heads: dict[str, int], max_positions: int,

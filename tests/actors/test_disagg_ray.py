@@ -96,6 +96,25 @@ def test_seeded_sampling_disaggregated_equals_aggregated(ray_session, tiny_model
     assert transfers == [(0, len(prompts))]
 
 
+def test_penalties_disaggregated_equal_aggregated(ray_session, tiny_model):
+    """logit_bias, min_tokens and the repetition penalty over the prompt apply to the context worker's
+    first token; the drafting generation worker counts the handed-over tokens in its penalties: the
+    aggregated tokens, and the bias moved the first token."""
+    prompts = random_prompts(4, seed=7)
+    plain = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, GREEDY)
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=-0.4,
+                             presence_penalty=0.3, logit_bias={plain[f"r{i}"][0]: -100.0}, min_tokens=3,
+                             stop_token_ids=(plain[f"r{i}"][1],)) for i in range(len(prompts))]
+    expected = run_to_completion(make_engine(tiny_model, tokens_per_block=8), prompts, params)
+    ctx, gen = started(RemoteContext.remote(worker_config()), RemoteGeneration.remote(worker_config(max_draft_len=3)))
+
+    async def main():
+        return await asyncio.gather(*[disagg_request(ctx, gen, f"p{i}", p, params[i]) for i, p in enumerate(prompts)])
+
+    for i, tokens in enumerate(asyncio.run(main())):
+        assert tokens == expected[f"r{i}"] and tokens[0] != plain[f"r{i}"][0]
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2),
     SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=2),

@@ -1,0 +1,141 @@
+"""Issue 47 over HTTP, with the official openai client: the sampling fields reach SamplingParams,
+a field that would change the answer and is not implemented is a 400 naming it, a harmless one is
+ignored, and (on a live engine over windserve-tiny) a strong negative logit_bias on the greedy token
+changes the output while an id outside the vocabulary is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from app.api import build_api
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.app.fakes import MODEL, FakeBackend, LiveServer
+from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+TINY = "windserve-tiny"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", "auto"),
+    ("structured_outputs", {"json": {}}),
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "a+"),
+    ("guided_choice", ["a", "b"]),
+    ("guided_grammar", "root ::= \"a\""),
+    ("modalities", ["text", "audio"]),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("n", 2),
+    ("best_of", 2),
+    ("echo", True),
+    ("min_p", 0.1),
+    ("reasoning_effort", "low"),
+])
+def test_a_chat_field_that_would_change_the_answer_is_a_400_naming_it(client, field, value):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={field: value})
+    assert info.value.status_code == 400 and info.value.param == field
+
+
+@pytest.mark.parametrize("field, value", [("suffix", "tail"), ("best_of", 3), ("guided_json", {}), ("n", 2)])
+def test_a_completion_field_that_would_change_the_answer_is_a_400_naming_it(client, field, value):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", extra_body={field: value})
+    assert info.value.param == field
+
+
+def test_harmless_and_neutral_fields_are_ignored(client, backend):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, user="u1", metadata={"k": "v"}, store=False,
+        service_tier="auto", parallel_tool_calls=False, response_format={"type": "text"}, tool_choice="none",
+        extra_body={"tools": [], "prediction": {"type": "content", "content": "x"}, "best_of": 1})
+    assert reply.choices[0].message.content
+    assert backend.requests[reply.id][1].max_tokens == 3
+
+
+def test_the_sampling_fields_reach_the_params(client, backend):
+    reply = client.completions.create(model=MODEL, prompt="x", max_tokens=4, presence_penalty=0.5,
+                                      frequency_penalty=-1.5, logit_bias={"65": -100, "7": 2.5},
+                                      extra_body={"repetition_penalty": 1.2, "min_tokens": 2})
+    params = backend.requests[reply.id][1]
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_tokens) == \
+        (0.5, -1.5, 1.2, 2)
+    assert params.logit_bias == ((7, 2.5), (65, -100.0))
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
+])
+def test_out_of_range_sampling_fields_are_400(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", **kwargs)
+    assert info.value.param == param
+
+
+class EngineBackend:
+    """app.backend's Backend over an LLMEngine in this process, one request at a time."""
+
+    model_name = TINY
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.max_model_len = engine.max_model_len
+        self.lock = asyncio.Lock()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        async with self.lock:
+            self.engine.add_request(request_id, prompt_token_ids, params)
+            while self.engine.has_unfinished():
+                for update in self.engine.step():
+                    yield update
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        return None
+
+    async def stats(self) -> dict:
+        return {}
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_model) -> Iterator[openai.OpenAI]:
+    engine = LLMEngine(EngineConfig(device="cpu", tokens_per_block=8, max_model_len=128), model=tiny_model)
+    live = LiveServer(build_api(EngineBackend(engine), tiny_model.tokenizer)).start()
+    yield openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    live.stop()
+
+
+def test_a_strong_negative_logit_bias_on_the_greedy_token_changes_the_output(tiny_client, tiny_model):
+    prompt, params = [10, 20, 30, 40] * 4, dict(max_tokens=6, ignore_eos=True)
+    direct = make_engine(tiny_model, tokens_per_block=8, max_model_len=128)
+    greedy = run_to_completion(direct, [prompt], SamplingParams(**params))["r0"]
+    kwargs = dict(model=TINY, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = tiny_client.completions.create(**kwargs).choices[0].text
+    assert plain == tiny_model.tokenizer.decode(greedy)
+    biased = tiny_client.completions.create(**kwargs, logit_bias={str(greedy[0]): -100}).choices[0].text
+    expected = run_to_completion(direct, [prompt], SamplingParams(**params, logit_bias={greedy[0]: -100}))["r0"]
+    assert expected[0] != greedy[0] and biased == tiny_model.tokenizer.decode(expected) != plain
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_the_id(tiny_client, tiny_model):
+    vocab_size = tiny_model.tokenizer.vocab_size
+    with pytest.raises(openai.BadRequestError) as info:
+        tiny_client.completions.create(model=TINY, prompt=[1, 2, 3], max_tokens=2,
+                                       logit_bias={str(vocab_size + 5): -100})
+    assert info.value.param == "logit_bias" and str(vocab_size + 5) in info.value.message
