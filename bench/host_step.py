@@ -25,6 +25,8 @@ import statistics
 import tempfile
 import time
 
+import torch
+
 from bench.engine_models import available_models, make_llm, mixed_prompts
 from engine import SamplingParams
 from engine.gpu import static_runner
@@ -40,13 +42,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def cached_forward(real):
-    """``StaticStepRunner._forward`` replaced: the real forward once per padded size, then its output."""
+def cached_forward(real, is_real: bool = True):
+    """``StaticStepRunner._forward`` replaced: the real forward once per padded size, then its output.
+    ``is_real`` False: a fixed random logits tensor of that size instead (at 131k positions the CPU's torch
+    reference attention gathers every row's whole table, 256 x 131,072 keys, which no host holds)."""
     outputs = {}
 
     def forward(runner, size: int):
         if size not in outputs:
-            outputs[size] = real(runner, size)
+            vocab = runner.model.config.vocab_size
+            outputs[size] = real(runner, size) if is_real else torch.randn(
+                size, vocab, generator=torch.Generator().manual_seed(size))
         return outputs[size]
     return forward
 
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(argv)
     tmp = tempfile.mkdtemp(prefix="windserve-host-step-")
     real = static_runner.StaticStepRunner._forward
-    static_runner.StaticStepRunner._forward = cached_forward(real)
+    static_runner.StaticStepRunner._forward = cached_forward(real, args.max_model_len is None)
     try:
         path = with_positions(available_models(("windserve-tiny",), tmp)["windserve-tiny"], args.max_model_len, tmp)
         rows = [host_step_ms(path, c, args.steps, args.max_model_len) for c in args.concurrency]
