@@ -1,6 +1,7 @@
 """The host's share of a static decode step: what overlapped steps (engine.overlap) can hide on a GPU.
 
     python -m bench.host_step [--concurrency 1 8 64] [--steps 40] [--max-model-len 131072] [--out bench/out]
+    python -m bench.host_step --arrivals     # TTFT and ITL under steady arrivals, the real forward
 
 Runs windserve-tiny's decode steps on the static path (use_static_buffers, as on a GPU) on the CPU with
 the model's forward replaced by its output for the same padded size, computed once: what is left is
@@ -38,6 +39,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the positions the buffers are sized for (default: the model's 4,096)")
+    parser.add_argument("--arrivals", action="store_true",
+                        help="instead: TTFT and ITL with the real forward under steady arrivals (mixed steps)")
     parser.add_argument("--out", default=os.path.join("bench", "out"))
     return parser.parse_args(argv)
 
@@ -105,8 +108,43 @@ def host_step_ms(path: str, concurrency: int, steps: int, max_model_len: int | N
             **{f"{name}_ms": seconds * 1e3 for name, seconds in split.items()}}
 
 
+def arrivals_ms(path: str, num_requests: int = 24, every: int = 3, max_tokens: int = 32) -> dict:
+    """TTFT and ITL (medians, ms) on the CPU's static path with the real forward: a prompt (16..256 tokens)
+    arrives every ``every`` steps, so most steps mix a prefill chunk with decodes (engine.runner's split)."""
+    llm = make_llm(path, 8, 256, max_tokens + 8, use_static_buffers=True, async_scheduling=False,
+                   max_num_batched_tokens=128)
+    engine, params = llm.engine, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    prompts = mixed_prompts(num_requests, (16, 256), seed=5)
+    added, first, last, gaps = {}, {}, {}, []
+    for step in range(20000):
+        arrival, is_arrival = divmod(step, every)
+        if is_arrival == 0 and arrival < num_requests:
+            engine.add_request(f"r{arrival}", prompts[arrival], params)
+            added[f"r{arrival}"] = time.perf_counter()
+        elif arrival >= num_requests and not engine.has_unfinished():
+            break
+        for update in engine.step():
+            if not update.new_token_ids:
+                continue
+            now, name = time.perf_counter(), update.request_id
+            if name not in first:
+                first[name] = now
+            else:
+                gaps.append((now - last[name]) / len(update.new_token_ids))
+            last[name] = now
+    stats = engine.stats()
+    return {"ttft_ms": statistics.median(first[r] - added[r] for r in added) * 1e3,
+            "itl_ms": statistics.median(gaps) * 1e3, "decode_rows": stats.get("num_decode_rows"),
+            "static_decode_rows": stats.get("num_static_decode_rows")}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(argv)
+    if args.arrivals:
+        row = arrivals_ms(available_models(("windserve-tiny",), tempfile.gettempdir())["windserve-tiny"])
+        print(f"arrivals: TTFT {row['ttft_ms']:.2f} ms, ITL {row['itl_ms']:.2f} ms (medians); decode rows "
+              f"{row['decode_rows']}, on the static path {row['static_decode_rows']}")
+        return [row]
     tmp = tempfile.mkdtemp(prefix="windserve-host-step-")
     real = static_runner.StaticStepRunner._forward
     static_runner.StaticStepRunner._forward = cached_forward(real, args.max_model_len is None)
