@@ -23,6 +23,10 @@
 #                 (decode steps replayed as CUDA graphs: the engine's default on cuda)
 #   graph         pytest -m gpu tests/engine/test_cuda_graphs.py (graph == eager tokens, == transformers, float32;
 #                 replayed logits == the plan-based step's), then decode-step times graph vs eager at batch 1 and 64
+#   serving       the GPU path under serving traffic (issue 49): the attention the graphs captured (triton or
+#                 reference), torch.cuda.memory_reserved before/after capture, the share of decode rows on the
+#                 static path under steady arrivals (mixed steps split), and the host's share of a c = 256 step
+#                 with the block tables sized for 32k and 131k positions (python -m bench.host_step)
 #   disagg        ContextWorker + GenerationWorker as Ray actors, EngineConfig(device="cuda"), NIXL with
 #                 VRAM registration; tokens == an AggregatedWorker on cuda (float32 and bf16); KV bytes moved > 0
 #   bench_*       python -m bench.transfer --quick --device cuda, python -m bench.engine_cuda --no-shapes
@@ -329,6 +333,48 @@ graph_check() {
   "$PY" "$WORK/graph_timing.py"
 }
 
+write_serving_check() {
+  cat > "$WORK/serving.py" <<'EOF'
+"""windserve-tiny on DEVICE (bf16, graphs, overlapped steps): what the graphs captured and the memory their
+capture reserved, then a prompt every 4 steps for 400 steps (32..511 tokens, 64 outputs each): how many
+decode rows ran the static path (a mixed step's decode rows included)."""
+import os
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.tiny import ensure_tiny_model
+
+llm = LLM(ensure_tiny_model(), device=os.environ["DEVICE"], tokens_per_block=16, max_num_seqs=64,
+          max_num_batched_tokens=512)
+engine, static = llm.engine, llm.engine.runner.static
+stats = static.graphs.stats
+print(f"serving attention={static.attention} graphs={stats['num_graphs']} "
+      f"reserved_before_mib={stats['reserved_before'] / 2**20:.1f} reserved_after_mib={stats['reserved_after'] / 2**20:.1f} "
+      f"capture_free_lost_mib={stats['memory_bytes'] / 2**20:.1f}")
+generator = torch.Generator().manual_seed(9)
+params = SamplingParams(max_tokens=64, ignore_eos=True)
+for step in range(2000):
+    if step < 400 and step % 4 == 0:
+        length = int(torch.randint(32, 512, (1,), generator=generator))
+        engine.add_request(f"a{step}", torch.randint(0, 256, (length,), generator=generator).tolist(), params)
+    elif step >= 400 and not engine.has_unfinished():
+        break
+    engine.step()
+s = engine.stats()
+print(f"serving arrivals decode_rows={s['num_decode_rows']} static_decode_rows={s['num_static_decode_rows']} "
+      f"static_share={s['num_static_decode_rows'] / max(1, s['num_decode_rows']):.3f} "
+      f"split_steps={engine.runner.num_split_steps} launched_ahead={s['num_steps_launched_ahead']}")
+EOF
+}
+
+serving_check() {
+  "$PY" "$WORK/serving.py"
+  for positions in 32768 131072; do  # the host's share of a c = 256 step, tables sized for long contexts
+    "$PY" -m bench.host_step --concurrency 256 --max-model-len "$positions" --out "$LOG_DIR/bench/host_step_$positions"
+  done
+}
+
 bench_module() {  # bench_module NAME [ARGS...]: python -m bench.NAME ARGS, with --device cuda when it takes one
   local name=$1 extra=()
   shift
@@ -342,7 +388,7 @@ if [[ $DEVICE == cuda ]]; then
 fi
 python3 -V || { echo "no python3 on this machine" >&2; exit 1; }
 export ROOT LOG_DIR PY VENV IMPORTS_CHECK DEVICE
-export -f versions system_torch_has_cuda install bench_module graph_check
+export -f versions system_torch_has_cuda install bench_module graph_check serving_check
 if [[ $DEVICE == cuda && -z $PY ]]; then
   step install 240 yes install
   PY="$VENV/bin/python"
@@ -372,6 +418,13 @@ if [[ $DEVICE == cuda ]]; then
 else
   skipped graph "dry run: tests/engine/test_static_step.py runs the static path eagerly on cpu"
 fi
+if [[ $DEVICE == cuda ]]; then
+  write_serving_check
+  export WORK
+  step serving 300 no serving_check
+else
+  skipped serving "dry run: tests/engine/test_mixed_static.py and tests/engine/gpu run its checks on cpu"
+fi
 write_disagg_check
 step disagg 270 no "$PY" "$WORK/disagg.py"
 for bench in "transfer --quick" "engine_cuda --no-shapes"; do  # engine_cuda's full mode: c up to 64, two models, two dtypes
@@ -390,8 +443,8 @@ if [[ $DEVICE == cuda ]]; then
 else
   skipped parity "dry run: the test suite runs these on cpu"
 fi
-grep -h -E '^(drafts=|requests=|graph_timing|dtype=)' "$LOG_DIR"/greedy.log "$LOG_DIR"/graph.log \
-  "$LOG_DIR"/disagg.log 2>/dev/null || true
+grep -h -E '^(drafts=|requests=|graph_timing|dtype=|serving |c=)' "$LOG_DIR"/greedy.log "$LOG_DIR"/graph.log \
+  "$LOG_DIR"/serving.log "$LOG_DIR"/disagg.log 2>/dev/null || true
 print_table
 rm -rf "$WORK"
 if [[ $FAILED -ne 0 ]]; then

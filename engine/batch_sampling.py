@@ -34,6 +34,20 @@ def seed_for_output(request: Request, ahead: int = 0) -> None:
         request.generator.manual_seed(hash((request.seed, request.num_output_tokens + ahead)) & (2**63 - 1))
 
 
+def sample_step(sampler: Sampler, scheduled: list[ScheduledRequest], output: RunOutput) -> SampleResult:
+    """A step's samples: the device's (a static step), the host's (a plan step), or both (a mixed step:
+    ``output.on_device[i]`` says whose; the host samples the rest, as ``sample_batch``)."""
+    if output.samples is None:
+        return sample_batch(sampler, scheduled, output)
+    if output.on_device is None:
+        return output.samples.sampled
+    host = sample_batch(sampler, scheduled,
+                        output._replace(spans=[None if d else s for d, s in zip(output.on_device, output.spans)]))
+    device = output.samples.sampled
+    pairs = [(device if d else host) for d in output.on_device]
+    return SampleResult([p.token_ids[i] for i, p in enumerate(pairs)], [p.logprobs[i] for i, p in enumerate(pairs)])
+
+
 def sample_batch(sampler: Sampler, scheduled: list[ScheduledRequest], output: RunOutput) -> SampleResult:
     """Row i belongs to ``scheduled[i]``; rows of requests that do not sample one token are placeholders."""
     picked = [i for i, span in enumerate(output.spans) if span is not None and not scheduled[i].draft_token_ids]

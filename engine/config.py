@@ -13,6 +13,7 @@ value reads the same whichever layer rejects it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,8 @@ class EngineConfig:
     ``async_scheduling`` (vLLM's name) launches each plain decode step before the host reads the
     previous one's samples (engine.overlap): None is on where CUDA graphs run and nothing is drafted,
     True forces it on the static path (on the CPU too, where it gains nothing: the tests' setting).
+    ``allow_reference_attention`` lets the static path on CUDA run the torch reference attention where
+    Triton cannot run (it gathers whole block-table rows: small shapes only); refused otherwise.
     """
 
     model: str = "windserve-tiny"
@@ -118,6 +121,7 @@ class EngineConfig:
     use_static_buffers: bool | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None
+    allow_reference_attention: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -134,7 +138,7 @@ class EngineConfig:
         check_at_least(self, ("num_extra_kv_tokens", "max_draft_len"), 0)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be greater than or equal to 2, got {self.max_model_len}")
-        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+        if self.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", self.device):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         make_drafter(self.drafter, max(1, self.max_draft_len))  # an unknown kind raises, naming the known ones
 

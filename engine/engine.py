@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from engine.batch_sampling import sample_batch
+from engine.batch_sampling import sample_step
 from engine.config import EngineConfig, max_model_len
 from engine.handoff import is_handoff_due, prefill_result
 from engine.host_memory import keep_freed_memory
@@ -200,7 +200,7 @@ class LLMEngine(ReceivingEntries):
             in_flight.release(self.manager)
 
     def _postprocess(self, scheduled: list[ScheduledRequest], output: RunOutput) -> list[RequestUpdate]:
-        sampled = output.samples.sampled if output.samples else sample_batch(self.sampler, scheduled, output)
+        sampled = sample_step(self.sampler, scheduled, output)
         updates: list[RequestUpdate | None] = []
         for i, (item, span) in enumerate(zip(scheduled, output.spans)):
             request = item.request

@@ -20,6 +20,9 @@ def engine_stats(engine: LLMEngine) -> dict:
         "num_preemptions": engine.scheduler.num_preemptions,
         "num_forward_passes": engine.runner.num_forward_passes,
         "num_steps_launched_ahead": engine.num_steps_launched_ahead,
+        "num_decode_rows": engine.runner.num_decode_rows,  # decode / verify requests run, step by step
+        "num_static_decode_rows": engine.runner.num_static_decode_rows,  # of them, on the static path
+        "graph_capture_reserved_bytes": engine.runner.capture_reserved_bytes(),
         "num_drafts_proposed": engine.num_drafts_proposed,
         "num_drafts_accepted": engine.num_drafts_accepted,
         **_prefix_cache_stats(engine),

@@ -91,6 +91,22 @@ def default_num_splits(num_tokens: int, num_kv_heads: int, max_context_len: int,
     return int(max(1, min(by_occupancy, by_length, 32)))
 
 
+def attention_path(device: torch.device | str) -> str:
+    """``"triton"`` or ``"reference"``: what :func:`paged_decode_attention` runs for tensors on ``device``."""
+    probe = torch.empty(0, device=device)
+    return "triton" if _runs_triton(probe, probe) else "reference"
+
+
+def check_attention_path(path: str, device_type: str, allow_reference: bool) -> None:
+    """ValueError where CUDA graphs would capture the torch reference unasked: it gathers every row's whole
+    block table (max_num_seqs x max_model_len keys a layer: 64 x 131,072 x Hkv x D floats), which runs out
+    of memory at real shapes. The CPU's static path (tests) runs it by design."""
+    if path == "reference" and device_type == "cuda" and not allow_reference:
+        raise ValueError("Triton cannot run the paged attention here (not installed, or TRITON_INTERPRET set), "
+                         "and the torch reference gathers every row's whole block table: install Triton, or set "
+                         "allow_reference_attention for small shapes")
+
+
 def _runs_triton(tensor: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Triton where it can run: CUDA tensors when it compiles, CPU tensors when it interprets. A CPU
     call without TRITON_INTERPRET does not import Triton (which would fix its mode to compiled)."""

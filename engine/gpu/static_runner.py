@@ -15,6 +15,7 @@ greedy tokens are the argmax as on the host path.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -57,7 +58,7 @@ class StaticStepRunner:
     """Owns the buffers, the RoPE table and (on CUDA, unless eager) the captured graphs."""
 
     def __init__(self, model: torch.nn.Module, manager: KVCacheManager, shape: StepShape, max_positions: int,
-                 device: torch.device, use_graphs: bool) -> None:
+                 device: torch.device, use_graphs: bool, attention: str = "reference") -> None:
         self.model = model
         self.manager = manager
         self.buffers = StaticStepBuffers(shape, device)
@@ -65,7 +66,9 @@ class StaticStepRunner:
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
         kv_heads = {group: tensor.shape[4] for group, tensor in manager.storage.tensors.items()}
         self.num_splits = split_plan(self.buffers.sizes, shape.windows, kv_heads, max_positions, num_sms)
-        self.graphs = CudaGraphs(self._forward, self.buffers.sizes, device) if use_graphs else None
+        self.attention = attention  # what paged_decode_attention runs here: "triton" or "reference"
+        self.device_context = device_context(device)
+        self.graphs = CudaGraphs(self._forward, self.buffers.sizes, device, attention) if use_graphs else None
         self.num_steps = 0
         if self.graphs is not None:
             with torch.inference_mode():
@@ -87,6 +90,10 @@ class StaticStepRunner:
         on a GPU this returns while the device still works. ``after``: the step launched just before,
         whose samples the host has not read: each request here is one of its requests one token on, its
         input token the one ``after`` sampled for it (engine.overlap)."""
+        with self.device_context:
+            return self._launch(scheduled, after)
+
+    def _launch(self, scheduled: list[ScheduledRequest], after: LaunchedStep | None) -> LaunchedStep:
         sources = {item.request.request_id: first for item, (first, _) in zip(after.scheduled, after.spans)} \
             if after is not None else None
         size = self.buffers.fill([self._step_request(item, sources) for item in scheduled])
@@ -168,6 +175,13 @@ def _processed(logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> torch
     params = [item.request.params for item in scheduled for _ in range(item.num_query_tokens)]
     histories = [h for item in scheduled for h in verify_histories(item.request, item.draft_token_ids)]
     return penalize(logits, penalty_rows(params, histories, logits.shape[-1], logits.device))
+
+
+def device_context(device: torch.device):
+    """``torch.cuda.device(N)`` for ``cuda:N`` (Triton launches, and eager kernels' streams, follow the
+    current device, not the tensors'), a no-op context elsewhere. Entered per launch, not set for the
+    process: engines on different devices may share one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def split_plan(sizes: list[int], windows: dict[str, int | None], kv_heads: dict[str, int], max_positions: int,

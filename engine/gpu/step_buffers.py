@@ -14,9 +14,23 @@ the step reads it from ``last_sampled`` (what the previous step's sampling left 
 of ``input_ids``. Everywhere else ``sampled_from`` is -1.
 
 Per layer group: ``block_tables[row, i]`` = the page of ordinal ``i`` (-1 unbound; rows past the live
-requests all -1) and ``slots[t] = page * B + position % B`` (-1: write nothing). Every field is a
+requests all -1) and ``slots[t] = page * B + position % B`` (-1: write nothing). Every token field is a
 view of one int32 tensor, staged on the host (pinned on a GPU) and moved with one copy; floats
 (temperature, top_p) travel as their bit patterns, a 63-bit seed as two 31-bit halves.
+
+The block tables are sized for the worst case (``max_num_seqs`` rows of ``max_model_len / B`` ordinals:
+64 x 8,192 at 131k positions), but a step touches only its live region: n rows, as wide as the longest
+of their tables (w ordinals). Only that region is staged, checked and moved, packed row after row
+behind the token fields (so still one host-to-device copy), then copied into place on the device; the
+last step's region, where it reaches past this one's, is reset to -1 first, so no stale ordinal stays::
+
+    device table [max_num_seqs, table_width]       host staging (one copy)
+    ┌──── w ────┬───────────────────────┐           [token fields | slots | g0: n x w | g1: n x w]
+    │ live      │ -1                    │ n
+    ├───────────┘ (last step's region,  │
+    │ -1            reset where it      │
+    │               reaches past)       │
+    └───────────────────────────────────┘
 """
 
 from __future__ import annotations
@@ -95,12 +109,16 @@ class StaticStepBuffers:
         self.groups = list(shape.windows)
         self.sizes = bucket_sizes(shape.max_tokens)
         t, r, m, g = shape.max_tokens, shape.max_num_seqs, shape.table_width, len(self.groups)
-        total = t * len(_TOKEN_FIELDS) + g * t + g * r * m
+        self.token_fields_end = t * len(_TOKEN_FIELDS) + g * t  # then the live table regions, packed
         pin = self.device.type == "cuda"
-        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
-        self.flat = torch.zeros(total, dtype=torch.int32, device=self.device)
-        self.host_views = _carve(self.host.numpy(), self.groups, t, r, m)
-        self.views = _carve(self.flat, self.groups, t, r, m)
+        self.host = torch.zeros(self.token_fields_end + g * r * m, dtype=torch.int32, pin_memory=pin)
+        self.flat = torch.zeros(self.token_fields_end + g * r * m, dtype=torch.int32, device=self.device)
+        self.host_views = _carve(self.host.numpy(), self.groups, t)
+        self.views = _carve(self.flat, self.groups, t)
+        tables = torch.full((g, r, m), -1, dtype=torch.int32, device=self.device)  # what the kernels read
+        self.views.update({("tables", group): tables[k] for k, group in enumerate(self.groups)})
+        self._staged: dict[str, tuple[int, int, int]] = {}  # group -> (offset in host, rows, width) staged
+        self._regions = {group: (0, 0) for group in self.groups}  # group -> (rows, width) on the device
         self.last_sampled = torch.zeros(t, dtype=torch.int32, device=self.device)  # the last step's samples
         self.num_tokens = self.num_requests = 0
         self._copied: torch.cuda.Event | None = None  # the last upload's copy, on a GPU
@@ -122,17 +140,29 @@ class StaticStepBuffers:
             views[name].fill(_PADDING.get(name, 0))
         for group in self.groups:
             views["slots", group].fill(-1)
-            views["tables", group].fill(-1)
         if len(requests) > self.shape.max_num_seqs:
             raise ValueError(f"{len(requests)} requests, the buffers hold {self.shape.max_num_seqs}")
         self.num_requests, self.num_tokens = len(requests), 0
+        self._staged = {group: (self.token_fields_end, 0, 0) for group in self.groups}
+        views.update({("tables", group): np.empty((0, 0), dtype=np.int32) for group in self.groups})
         if requests:
             self.num_tokens = self._stage(requests)
         return choose_bucket(self.num_tokens, self.sizes) if self.num_tokens else 0
 
     def upload(self) -> None:
-        """The one host-to-device copy of a step (asynchronous from pinned memory on a GPU)."""
-        self.flat.copy_(self.host, non_blocking=True)
+        """The one host-to-device copy of a step (asynchronous from pinned memory on a GPU): the token
+        fields and the live table regions, which two small device copies per group then put in place
+        (resetting the last step's region to -1 first where it reaches past this one's)."""
+        end = max((offset + rows * width for offset, rows, width in self._staged.values()),
+                  default=self.token_fields_end)
+        self.flat[:end].copy_(self.host[:end], non_blocking=True)
+        for group, (offset, rows, width) in self._staged.items():
+            table, (old_rows, old_width) = self.views["tables", group], self._regions[group]
+            if old_rows > rows or old_width > width:
+                table[:old_rows, :old_width].fill_(-1)
+            if rows and width:
+                table[:rows, :width].copy_(self.flat[offset:offset + rows * width].view(rows, width))
+            self._regions[group] = (rows, width)
         if self.flat.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -164,19 +194,32 @@ class StaticStepBuffers:
         views["top_p"][t] = floats[rows, 1]
         block = self.shape.tokens_per_block
         last = (per_row[:, 0] + counts - 1) // block  # each row's last ordinal (written)
+        offset = self.token_fields_end
         for group, window in self.shape.windows.items():
-            tables = views["tables", group]
-            for row, request in enumerate(requests):
-                table = request.tables[group]
-                if len(table) > self.shape.table_width:
-                    raise ValueError(f"request {request.name!r}: {len(table)} ordinals in group {group!r}, "
-                                     f"the buffers hold {self.shape.table_width}")
-                tables[row, : len(table)] = table
+            tables = self._stage_table(requests, group, offset)
             first_read = np.zeros_like(last) if window is None else np.maximum(0, per_row[:, 0] - window + 1) // block
-            self._check_bound(requests, group, tables[: len(requests)], first_read, last)
+            self._check_bound(requests, group, tables, first_read, last)
             pages = tables[rows, positions // block].astype(np.int64)
             views["slots", group][t] = pages * block + positions % block
+            offset += tables.size
         return num_tokens
+
+    def _stage_table(self, requests: list[StepRequest], group: str, offset: int) -> np.ndarray:
+        """The group's live region, packed at ``offset`` of the host staging: [n rows, w = the longest
+        table], -1 past each row's own table. Returns it (``host_views["tables", group]`` too)."""
+        width = max(len(request.tables[group]) for request in requests)
+        if width > self.shape.table_width:
+            request = max(requests, key=lambda r: len(r.tables[group]))
+            raise ValueError(f"request {request.name!r}: {width} ordinals in group {group!r}, "
+                             f"the buffers hold {self.shape.table_width}")
+        tables = self.host_views["tables", group] = self.host.numpy()[offset:offset + len(requests) * width].reshape(
+            len(requests), width)
+        tables.fill(-1)
+        for row, request in enumerate(requests):
+            table = request.tables[group]
+            tables[row, : len(table)] = table
+        self._staged[group] = (offset, len(requests), width)
+        return tables
 
     def _check_bound(self, requests: list[StepRequest], group: str, tables: np.ndarray, first_read: np.ndarray,
                      last: np.ndarray) -> None:
@@ -221,13 +264,11 @@ class StaticStepBuffers:
         return self.views["seed_lo"][:num_tokens], self.views["seed_hi"][:num_tokens]
 
 
-def _carve(flat, groups: list[str], t: int, r: int, m: int) -> dict:
-    """Named views of ``flat`` (numpy array or tensor): token fields, per group slots [t] and tables [r, m]."""
+def _carve(flat, groups: list[str], t: int) -> dict:
+    """Named views of ``flat`` (numpy array or tensor): token fields, then per group slots [t]."""
     views, offset = {}, 0
     for name in _TOKEN_FIELDS:
         views[name], offset = flat[offset:offset + t], offset + t
     for group in groups:
         views["slots", group], offset = flat[offset:offset + t], offset + t
-    for group in groups:
-        views["tables", group], offset = flat[offset:offset + r * m].reshape(r, m), offset + r * m
     return views

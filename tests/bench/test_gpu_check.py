@@ -24,7 +24,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert done.returncode == 0, out[-4000:]
     summary = dict(re.findall(r"^(\w+)\s+(ok|skipped|FAIL\(\d+\))\s+\d+$", out, re.M))
     assert summary == {"install": "skipped", "versions": "ok", "triton": "skipped", "gpu_tests": "skipped",
-                       "greedy": "ok", "graph": "skipped", "disagg": "ok", "bench_transfer": "skipped",
+                       "greedy": "ok", "graph": "skipped", "serving": "skipped", "disagg": "ok",
+                       "bench_transfer": "skipped",
                        "bench_engine_cuda": "skipped", "parity": "skipped"}, out[-2000:]
     logs = tmp_path / "gpu_check"
     greedy = re.findall(r"^drafts=(\d) prompt_len=\s*\d+ identical=(\w+)", (logs / "greedy.log").read_text(), re.M)

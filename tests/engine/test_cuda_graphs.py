@@ -7,6 +7,7 @@ Skipped where there is no GPU (CI); ``bench/gpu_check.sh`` runs them (``-m gpu``
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from engine.gpu.static_runner import static_forward
 from engine.gpu.step_buffers import StaticStepBuffers, StepRequest, StepShape
 from tests.engine.helpers import PagedKV, load_pair, relative_error
 from tests.engine.test_cuda import tiny_reference  # noqa: F401
+from tests.engine.test_mixed_static import run_with_arrivals
 
 CUDA = "cuda"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -122,3 +124,33 @@ def test_restaging_waits_for_the_last_upload_to_be_read():
     buffers.fill([StepRequest("other", [99], 3, {"full": [5]})])  # must wait for the copy to read `first`
     torch.cuda.synchronize()
     assert torch.equal(buffers.flat.cpu(), expected)
+
+
+def test_capture_names_its_attention_and_records_reserved_memory(tiny_reference, caplog):
+    path = tiny_reference[0]
+    with caplog.at_level(logging.INFO, logger="engine.gpu.graph_runner"):
+        graphed = llm(path, 0, False)
+    static = graphed.engine.runner.static
+    assert static.attention == "triton"
+    lines = [r.getMessage() for r in caplog.records if " tokens on cuda" in r.getMessage()]
+    assert len(lines) == len(static.buffers.sizes) and all("triton attention" in line for line in lines)
+    stats = static.graphs.stats
+    assert stats["reserved_after"] >= stats["reserved_before"] > 0
+    assert graphed.engine.stats()["graph_capture_reserved_bytes"] == stats["reserved_bytes"]
+
+
+def test_mixed_steps_replay_the_decode_rows_and_keep_the_tokens(tiny_reference):
+    """Prompts arriving every 4 steps: most steps mix a prefill chunk with decodes; their decode rows replay
+    the graphs (>= 90% of decode rows on the static path) and the tokens equal eager's and transformers'."""
+    path, prompts, expected = tiny_reference
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    got = {}
+    for enforce_eager in (False, True):
+        engine = LLM(path, device=CUDA, dtype="float32", tokens_per_block=8, max_num_seqs=4,
+                     max_num_batched_tokens=24, enforce_eager=enforce_eager).engine
+        got[enforce_eager] = run_with_arrivals(engine, prompts, params, every=4)
+        stats = engine.stats()
+        assert engine.runner.num_split_steps >= 5
+        assert stats["num_static_decode_rows"] >= 0.9 * stats["num_decode_rows"] > 0
+    assert got[False] == got[True]
+    assert [got[False][f"r{i}"] for i in range(len(prompts))] == expected

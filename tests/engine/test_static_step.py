@@ -182,9 +182,9 @@ def test_the_captured_step_reads_no_value_on_the_host(arch):
 
 @pytest.mark.parametrize("top_k", [0, 40])
 def test_a_seeded_request_draws_the_same_tokens_whether_its_steps_are_static_or_mixed(tiny_model, reference, top_k):
-    """With the static path, a pure decode step samples on the device (counter-based noise) and a step
-    mixed with another request's prefill samples on the host: both draw from (seed, output index), so a
-    seeded request's tokens do not depend on what arrives beside it."""
+    """With the static path, a's decodes sample on the device (counter-based noise), alone or in a step
+    split beside another request's prefill chunk (engine.runner), whose first token the host samples: both
+    draw from (seed, output index), so a seeded request's tokens do not depend on what arrives beside it."""
     prompts = reference[0]
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=top_k, seed=7, ignore_eos=True)
     alone = make_engine(tiny_model, tokens_per_block=8, max_model_len=256, max_num_seqs=4, use_static_buffers=True)
@@ -202,6 +202,5 @@ def test_a_seeded_request_draws_the_same_tokens_whether_its_steps_are_static_or_
         if not busy.has_unfinished():
             break
         got += [t for u in busy.step() if u.request_id == "a" for t in u.new_token_ids]
-    mixed = busy.runner.num_forward_passes - busy.runner.static.num_steps - 1
-    assert mixed >= 3, "the other prompts' prefills did not share steps with a's decodes"
+    assert busy.runner.num_split_steps >= 3, "the other prompts' prefills did not share steps with a's decodes"
     assert got == want
