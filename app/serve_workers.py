@@ -33,6 +33,7 @@ from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
 from actors.messages import KVHandle, Prefilled
 from actors.worker_base import EngineWorker
+from app.planner_stats import ContextStats, GenerationStats
 from app.routing import ROUTER_PATH, RoutingHint
 from engine.outputs import RequestUpdate, stamp
 from engine.params import SamplingParams
@@ -187,26 +188,37 @@ class WorkerReplica:
 @serve.deployment(name="ContextWorker", **WORKER_OPTIONS)
 class ContextDeployment(WorkerReplica):
     async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        self.planner_stats = ContextStats()
         await super().__init__("context", ContextWorker(config), board)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       hint: RoutingHint | None = None) -> Prefilled:
+        start = time.monotonic()
         try:
-            return await self.worker.prefill(request_id, prompt_token_ids, params)
+            prefilled = await self.worker.prefill(request_id, prompt_token_ids, params)
+            cached = prefilled.kv.num_cached_tokens if prefilled.kv is not None else prefilled.first.num_cached_tokens
+            self.planner_stats.on_prefill(prefilled.first.num_prompt_tokens, cached, time.monotonic() - start)
+            return prefilled
         finally:
             self.account(request_id)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Windowed gauges for the P:D planner (app.planner_stats), sampled by Serve's autoscaler."""
+        return self.planner_stats.report(self._latest)
 
 
 @serve.deployment(name="GenerationWorker", **WORKER_OPTIONS)
 class GenerationDeployment(WorkerReplica):
     async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        self.planner_stats = GenerationStats()
         await super().__init__("generation", GenerationWorker(config), board)
 
     async def generate(
         self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams, hint: RoutingHint | None = None
     ) -> AsyncIterator[RequestUpdate]:
         request_id = hint.request_id if hint is not None else handle.request_id  # the id the router saw
-        async for update in self._relay(request_id, self.worker.generate(handle, prompt_token_ids, params)):
+        async for update in self._timed(self._relay(request_id, self.worker.generate(handle, prompt_token_ids,
+                                                                                      params))):
             yield update
 
     async def generate_local(
@@ -214,8 +226,24 @@ class GenerationDeployment(WorkerReplica):
     ) -> AsyncIterator[RequestUpdate]:
         """Prefill here too (app.placement: a prompt whose uncached part is short)."""
         updates = self.worker.generate_local(request_id, prompt_token_ids, params)
-        async for update in self._relay(request_id, updates):
+        async for update in self._timed(self._relay(request_id, updates)):
             yield update
+
+    async def _timed(self, updates: AsyncIterator[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
+        """Each update's tokens and its gap since the stream's previous one, for the planner's gauges."""
+        async with contextlib.aclosing(updates):
+            previous = None
+            async for update in updates:
+                now = time.monotonic()
+                self.planner_stats.on_update(len(update.new_token_ids), None if previous is None else now - previous)
+                if update.finish_reason is not None:
+                    self.planner_stats.on_finished(update.num_output_tokens)
+                previous = now
+                yield update
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Windowed gauges for the P:D planner (app.planner_stats), sampled by Serve's autoscaler."""
+        return self.planner_stats.report(self._latest)
 
 
 class AggregatedReplica(WorkerReplica):

@@ -1,0 +1,234 @@
+"""The P:D planner's logic, without Ray: forecast the next interval, size both roles, hold when unsure.
+
+Every ``adjustment_interval_s`` (between intervals the targets stand)::
+
+    observation (rates, lengths, hit rate, measured TTFT / TPOT)   from the replicas (app.planner)
+        │ forecast: simple exponential smoothing (level only, alpha = ``smoothing``) of the request
+        │ rate, prompt length, prefix-hit rate and output length; sizing takes the larger of the
+        │ forecast and the latest rate, so a rise is met at once and a fall is followed smoothly
+        ▼
+    prefill: uncached prompt = prompt * (1 - hit); one replica's rate from the capacity table,
+             divided by the TTFT correction; loaded at most to rho with t / (1 - rho) <= TTFT SLO
+             (a queue's wait grows as 1 / (1 - rho)), so   P = rate * uncached / (r_p * rho)
+    decode:  context = prompt + output / 2 (a stream's mean KV over its life, as Dynamo's SLA
+             planner takes it); the largest batch within TPOT SLO / correction whose KV fits
+             gives one replica's tokens/s r_d, so        D = rate * output / r_d
+        ▼
+    bounds: at least 1 of each; per-role and total budgets (over budget: shared by need);
+    a role shrinks only after ``scale_down_intervals`` intervals in a row asked for fewer.
+
+Corrections are measured / expected latency (expected from the table at the measured load),
+smoothed and clamped to ``correction_bounds``: a replica slower than its profile gets less
+work. The caller (app.planner) leaves cold replicas out of the measured latency.
+Holds (targets unchanged): a scale-up still loading, missing or non-finite metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from app.planner_capacity import CapacityTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    adjustment_interval_s: float = 30.0
+    ttft_slo_s: float = 1.0
+    tpot_slo_s: float = 0.05
+    max_total_replicas: int = 8
+    max_context_replicas: int | None = None  # None: the total budget less one generation replica
+    max_generation_replicas: int | None = None
+    smoothing: float = 0.5  # weight of the newest interval in the forecast
+    max_utilization: float = 0.9  # a context replica's load is kept below this whatever the SLO allows
+    correction_bounds: tuple[float, float] = (0.5, 2.0)
+    scale_down_intervals: int = 2
+    capacity_path: str | None = None  # bench.profile's JSON; None: app.planner_capacity.synthetic_table
+    context_deployment: str = "ContextWorker"
+    generation_deployment: str = "GenerationWorker"
+
+    def __post_init__(self) -> None:
+        if self.adjustment_interval_s <= 0 or self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
+            raise ValueError("interval and SLOs must be positive")
+        if self.max_total_replicas < 2:
+            raise ValueError("the budget must hold one replica of each role")
+        for cap in (self.max_context_replicas, self.max_generation_replicas):
+            if cap is not None and cap < 1:
+                raise ValueError("a per-role budget must be at least 1")
+        if not 0 < self.smoothing <= 1 or not 0 < self.max_utilization < 1:
+            raise ValueError("smoothing in (0, 1], max_utilization in (0, 1)")
+        low, high = self.correction_bounds
+        if not 0 < low <= 1 <= high:
+            raise ValueError("correction_bounds must bracket 1")
+        if self.scale_down_intervals < 1:
+            raise ValueError("scale_down_intervals must be at least 1")
+        object.__setattr__(self, "correction_bounds", (float(low), float(high)))  # YAML gives a list
+
+    def role_caps(self) -> tuple[int, int]:
+        total = self.max_total_replicas
+        return (min(self.max_context_replicas or total - 1, total - 1),
+                min(self.max_generation_replicas or total - 1, total - 1))
+
+
+class Observation(NamedTuple):
+    """One interval as the replicas measured it; None where nothing was measured."""
+
+    request_rate: float | None  # requests/s reaching the context role
+    prompt_len: float | None  # mean prompt tokens, cached part included
+    prefix_hit_rate: float | None  # share of prompt tokens found cached
+    output_len: float | None  # mean output tokens of finished requests
+    ttft_s: float | None = None  # mean prefill latency of warm context replicas (queue + compute)
+    tpot_s: float | None = None  # mean per-token time of warm generation replicas
+    decode_batch: float | None = None  # mean running streams per warm generation replica
+
+
+class Fleet(NamedTuple):
+    num_context: int  # running
+    num_generation: int
+    target_context: int  # what Serve is converging to
+    target_generation: int
+
+    @property
+    def is_loading(self) -> bool:
+        return self.num_context < self.target_context or self.num_generation < self.target_generation
+
+
+class Decision(NamedTuple):
+    num_context: int
+    num_generation: int
+    reason: str
+    need_context: float = math.nan
+    need_generation: float = math.nan
+
+
+def _finite(*values: float | None) -> bool:
+    return all(v is not None and math.isfinite(v) and v >= 0 for v in values)
+
+
+class Smoother:
+    """Simple exponential smoothing (level only): level <- a * x + (1 - a) * level."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.level: float | None = None
+
+    def update(self, value: float) -> float:
+        self.level = value if self.level is None else self.alpha * value + (1 - self.alpha) * self.level
+        return self.level
+
+
+class PlannerCore:
+    """The planner's state between calls: forecasts, corrections, when it last adjusted."""
+
+    def __init__(self, config: PlannerConfig, table: CapacityTable) -> None:
+        self.config = config
+        self.table = table
+        self.forecasts = {key: Smoother(config.smoothing) for key in ("rate", "prompt", "hit", "output")}
+        self.correction = {"context": 1.0, "generation": 1.0}
+        self.num_shrink_votes = {"context": 0, "generation": 0}
+        self.last_adjusted_s: float | None = None
+
+    def decide(self, now_s: float, obs: Observation, fleet: Fleet) -> Decision:
+        """The targets for both roles; changes state only at an adjustment (once an interval)."""
+        hold = Decision(max(1, fleet.target_context), max(1, fleet.target_generation), "between intervals")
+        if self.last_adjusted_s is None:
+            self.last_adjusted_s = now_s  # the first interval only gathers metrics
+            return hold._replace(reason="first interval")
+        if now_s - self.last_adjusted_s < self.config.adjustment_interval_s:
+            return hold
+        self.last_adjusted_s = now_s
+        if fleet.is_loading:
+            return self._logged(hold._replace(reason="hold: scale-up still loading"), obs)
+        obs = self._filled(obs)
+        if not _finite(obs.request_rate, obs.prompt_len, obs.prefix_hit_rate, obs.output_len):
+            return self._logged(hold._replace(reason="hold: metrics missing"), obs)
+        self._correct(obs, fleet)
+        need_p, need_d = self._need(obs)
+        num_p, num_d = self._fit(need_p, need_d)
+        damped_p = self._damped("context", num_p, fleet.target_context)
+        damped_d = self._damped("generation", num_d, fleet.target_generation)
+        if damped_p + damped_d <= self.config.max_total_replicas:  # else the budget wins over the damping
+            num_p, num_d = damped_p, damped_d
+        return self._logged(Decision(num_p, num_d, "sized", need_p, need_d), obs)
+
+    def _filled(self, obs: Observation) -> Observation:
+        """Lengths missing from a quiet interval (nothing arrived or finished) taken from the forecast."""
+        if not _finite(obs.request_rate):
+            return obs
+        levels = {"prompt_len": "prompt", "prefix_hit_rate": "hit", "output_len": "output"}
+        return obs._replace(**{field: self.forecasts[key].level for field, key in levels.items()
+                               if not _finite(getattr(obs, field))})
+
+    def _need(self, obs: Observation) -> tuple[float, float]:
+        """Fractional replicas each role needs for the forecast."""
+        f = self.forecasts
+        rate = max(f["rate"].update(obs.request_rate), obs.request_rate)
+        prompt, hit, output = f["prompt"].update(obs.prompt_len), f["hit"].update(obs.prefix_hit_rate), \
+            f["output"].update(obs.output_len)
+        uncached = max(1.0, prompt * (1 - min(hit, 1.0)))
+        need_p = rate * uncached / self._context_capacity(uncached)
+        tpot_target = self.config.tpot_slo_s / self.correction["generation"]
+        decode_rate = self.table.decode_rate(tpot_target, prompt + output / 2)
+        need_d = rate * max(output, 1.0) / decode_rate
+        return need_p, need_d
+
+    def _context_capacity(self, uncached: float) -> float:
+        """Prompt tokens/s one context replica takes within the TTFT SLO (after correction)."""
+        correction = self.correction["context"]
+        prefill_s = self.table.prefill_time(uncached) * correction
+        rho = min(self.config.max_utilization, max(0.05, 1 - prefill_s / self.config.ttft_slo_s))
+        return self.table.prefill_rate(uncached) / correction * rho
+
+    def _correct(self, obs: Observation, fleet: Fleet) -> None:
+        """Measured / expected latency, where both replicas' measurements are there."""
+        low, high = self.config.correction_bounds
+        if _finite(obs.ttft_s, obs.request_rate, obs.prompt_len, obs.prefix_hit_rate) and obs.ttft_s > 0:
+            uncached = max(1.0, obs.prompt_len * (1 - min(obs.prefix_hit_rate, 1.0)))
+            load = obs.request_rate * uncached / (max(1, fleet.num_context) * self.table.prefill_rate(uncached))
+            expected = self.table.prefill_time(uncached) / (1 - min(load, 0.95))
+            self._blend("context", obs.ttft_s / expected, low, high)
+        if _finite(obs.tpot_s, obs.decode_batch, obs.prompt_len, obs.output_len) and obs.tpot_s > 0:
+            expected = self.table.per_token_time(max(1.0, obs.decode_batch), obs.prompt_len + obs.output_len / 2)
+            self._blend("generation", obs.tpot_s / expected, low, high)
+
+    def _blend(self, role: str, ratio: float, low: float, high: float) -> None:
+        alpha = self.config.smoothing
+        self.correction[role] = min(high, max(low, alpha * ratio + (1 - alpha) * self.correction[role]))
+
+    def _fit(self, need_p: float, need_d: float) -> tuple[int, int]:
+        """Whole replicas within the budgets; over the total, shared in proportion to need."""
+        cap_p, cap_d = self.config.role_caps()
+        num_p, num_d = min(cap_p, max(1, math.ceil(need_p))), min(cap_d, max(1, math.ceil(need_d)))
+        total = self.config.max_total_replicas
+        if num_p + num_d > total:
+            share = need_p / (need_p + need_d)
+            num_p = min(cap_p, max(1, round(total * share)))
+            num_d = min(cap_d, max(1, total - num_p))
+            num_p = min(num_p, total - num_d)
+        return num_p, num_d
+
+    def _damped(self, role: str, wanted: int, current: int) -> int:
+        """Grow at once; shrink only after ``scale_down_intervals`` intervals in a row asked to."""
+        if wanted >= current:
+            self.num_shrink_votes[role] = 0
+            return wanted
+        self.num_shrink_votes[role] += 1
+        if self.num_shrink_votes[role] >= self.config.scale_down_intervals:
+            self.num_shrink_votes[role] = 0
+            return wanted
+        return current
+
+    def _logged(self, decision: Decision, obs: Observation) -> Decision:
+        log.info("planner: rate=%s prompt=%s hit=%s output=%s ttft=%s tpot=%s batch=%s corr=%.2f/%.2f "
+                 "need=%.2f/%.2f -> P=%d D=%d (%s)", *(_fmt(v) for v in obs), self.correction["context"],
+                 self.correction["generation"], decision.need_context, decision.need_generation,
+                 decision.num_context, decision.num_generation, decision.reason)
+        return decision
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
