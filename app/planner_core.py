@@ -84,6 +84,7 @@ class Observation(NamedTuple):
     ttft_s: float | None = None  # mean prefill latency of warm context replicas (queue + compute)
     tpot_s: float | None = None  # mean per-token time of warm generation replicas
     decode_batch: float | None = None  # mean running streams per warm generation replica
+    backlog: float | None = None  # requests waiting at the context replicas: worked off within an interval
 
 
 class Fleet(NamedTuple):
@@ -166,7 +167,9 @@ class PlannerCore:
     def _need(self, obs: Observation) -> tuple[float, float]:
         """Fractional replicas each role needs for the forecast."""
         f = self.forecasts
-        rate = max(f["rate"].update(obs.request_rate), obs.request_rate)
+        # what arrives is served by completions: a queue that grew means more arrived than was counted
+        backlog = obs.backlog / self.config.adjustment_interval_s if _finite(obs.backlog) else 0.0
+        rate = max(f["rate"].update(obs.request_rate), obs.request_rate) + backlog
         prompt, hit, output = f["prompt"].update(obs.prompt_len), f["hit"].update(obs.prefix_hit_rate), \
             f["output"].update(obs.output_len)
         uncached = max(1.0, prompt * (1 - min(hit, 1.0)))
@@ -189,8 +192,8 @@ class PlannerCore:
         if _finite(obs.ttft_s, obs.request_rate, obs.prompt_len, obs.prefix_hit_rate) and obs.ttft_s > 0:
             uncached = max(1.0, obs.prompt_len * (1 - min(obs.prefix_hit_rate, 1.0)))
             load = obs.request_rate * uncached / (max(1, fleet.num_context) * self.table.prefill_rate(uncached))
-            expected = self.table.prefill_time(uncached) / (1 - min(load, 0.95))
-            self._blend("context", obs.ttft_s / expected, low, high)
+            if load < self.config.max_utilization:  # past it the queue model says nothing credible
+                self._blend("context", obs.ttft_s * (1 - load) / self.table.prefill_time(uncached), low, high)
         if _finite(obs.tpot_s, obs.decode_batch, obs.prompt_len, obs.output_len) and obs.tpot_s > 0:
             expected = self.table.per_token_time(max(1.0, obs.decode_batch), obs.prompt_len + obs.output_len / 2)
             self._blend("generation", obs.tpot_s / expected, low, high)
@@ -223,7 +226,7 @@ class PlannerCore:
         return current
 
     def _logged(self, decision: Decision, obs: Observation) -> Decision:
-        log.info("planner: rate=%s prompt=%s hit=%s output=%s ttft=%s tpot=%s batch=%s corr=%.2f/%.2f "
+        log.info("planner: rate=%s prompt=%s hit=%s output=%s ttft=%s tpot=%s batch=%s backlog=%s corr=%.2f/%.2f "
                  "need=%.2f/%.2f -> P=%d D=%d (%s)", *(_fmt(v) for v in obs), self.correction["context"],
                  self.correction["generation"], decision.need_context, decision.need_generation,
                  decision.num_context, decision.num_generation, decision.reason)

@@ -63,8 +63,9 @@ class ContextStats:
     def __init__(self, window_s: float = WINDOW_S) -> None:
         self.events = WindowedEvents(window_s)
 
-    def on_prefill(self, num_prompt_tokens: int, num_cached_tokens: int, wall_s: float) -> None:
-        self.events.record(prompt=num_prompt_tokens, computed=max(0, num_prompt_tokens - num_cached_tokens),
+    def on_prefill(self, num_prompt_tokens: int, num_cached_tokens: int, wall_s: float,
+                   now: float | None = None) -> None:
+        self.events.record(now, prompt=num_prompt_tokens, computed=max(0, num_prompt_tokens - num_cached_tokens),
                            wall=wall_s)
 
     def report(self, latest: dict, now: float | None = None) -> dict[str, float]:
@@ -86,15 +87,16 @@ class GenerationStats:
         self.tokens = WindowedEvents(window_s)
         self.finished = WindowedEvents(window_s)
 
-    def on_update(self, num_new_tokens: int, gap_s: float | None) -> None:
-        """``gap_s``: since the stream's previous update (None for its first, which the prefill made)."""
+    def on_update(self, num_new_tokens: float, gap_s: float | None, now: float | None = None) -> None:
+        """``gap_s``: since the stream's previous update (None for its first, which the prefill made).
+        One event may stand for several streams' updates: then ``gap_s`` is the sum of their gaps."""
         if gap_s is None:
-            self.tokens.record(tokens=num_new_tokens)
+            self.tokens.record(now, tokens=num_new_tokens)
         else:
-            self.tokens.record(tokens=num_new_tokens, timed_tokens=num_new_tokens, gap=gap_s)
+            self.tokens.record(now, tokens=num_new_tokens, timed_tokens=num_new_tokens, gap=gap_s)
 
-    def on_finished(self, num_output_tokens: int) -> None:
-        self.finished.record(output=num_output_tokens)
+    def on_finished(self, num_output_tokens: int, now: float | None = None) -> None:
+        self.finished.record(now, output=num_output_tokens)
 
     def report(self, latest: dict, now: float | None = None) -> dict[str, float]:
         _, tokens = self.tokens.sums(now)
