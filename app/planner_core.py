@@ -7,12 +7,13 @@ Every ``adjustment_interval_s`` (between intervals the targets stand)::
         │ rate, prompt length, prefix-hit rate and output length; sizing takes the larger of the
         │ forecast and the latest rate, so a rise is met at once and a fall is followed smoothly
         ▼
-    prefill: uncached prompt = prompt * (1 - hit); one replica's rate from the capacity table,
-             divided by the TTFT correction; loaded at most to rho with t / (1 - rho) <= TTFT SLO
-             (a queue's wait grows as 1 / (1 - rho)), so   P = rate * uncached / (r_p * rho)
+    prefill: uncached prompt = prompt * (1 - hit); its prefill time t from the capacity table,
+             times the TTFT correction; P = the fewest replicas whose expected TTFT, t plus an
+             M/G/c queue's wait (PlannerConfig.expected_ttft), meets the SLO at the forecast rate
     decode:  context = prompt + output / 2 (a stream's mean KV over its life, as Dynamo's SLA
              planner takes it); the largest batch within TPOT SLO / correction whose KV fits
-             gives one replica's tokens/s r_d, so        D = rate * output / r_d
+             gives one replica's tokens/s r_d, so        D = rate * output / r_d,
+             and at least the streams running now over that batch (Little's law, measured)
         ▼
     bounds: at least 1 of each; per-role and total budgets (over budget: shared by need);
     a role shrinks only after ``scale_down_intervals`` intervals in a row asked for fewer.
@@ -33,6 +34,7 @@ from typing import NamedTuple
 from app.planner_capacity import CapacityTable
 
 log = logging.getLogger(__name__)
+CORRECTION_MAX_LOAD = 0.7
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,8 @@ class PlannerConfig:
     max_generation_replicas: int | None = None
     smoothing: float = 0.5  # weight of the newest interval in the forecast
     max_utilization: float = 0.9  # a context replica's load is kept below this whatever the SLO allows
-    correction_bounds: tuple[float, float] = (0.5, 2.0)
+    prefill_cv2: float = 0.5  # squared coefficient of variation of prefill times (prompt lengths vary)
+    correction_bounds: tuple[float, float] = (0.7, 2.0)  # a replica faster than profiled gains less than 1/0.7
     scale_down_intervals: int = 2
     capacity_path: str | None = None  # bench.profile's JSON; None: app.planner_capacity.synthetic_table
     context_deployment: str = "ContextWorker"
@@ -59,14 +62,19 @@ class PlannerConfig:
         for cap in (self.max_context_replicas, self.max_generation_replicas):
             if cap is not None and cap < 1:
                 raise ValueError("a per-role budget must be at least 1")
-        if not 0 < self.smoothing <= 1 or not 0 < self.max_utilization < 1:
-            raise ValueError("smoothing in (0, 1], max_utilization in (0, 1)")
-        low, high = self.correction_bounds
-        if not 0 < low <= 1 <= high:
-            raise ValueError("correction_bounds must bracket 1")
-        if self.scale_down_intervals < 1:
-            raise ValueError("scale_down_intervals must be at least 1")
-        object.__setattr__(self, "correction_bounds", (float(low), float(high)))  # YAML gives a list
+        if not 0 < self.smoothing <= 1 or not 0 < self.max_utilization < 1 or self.prefill_cv2 < 0:
+            raise ValueError("smoothing in (0, 1], max_utilization in (0, 1), prefill_cv2 >= 0")
+
+    def expected_ttft(self, prefill_s: float, arrivals_per_s: float, num_replicas: int) -> float:
+        """Mean TTFT of ``num_replicas`` context replicas fed from one queue (the router sends a prompt
+        where it starts first): the prefill plus an M/G/c wait by Sakasegawa's approximation,
+        Wq = t * rho^(sqrt(2(c+1)) - 1) / (c (1 - rho)) * (1 + cv^2) / 2. Infinite at or past
+        ``max_utilization``."""
+        load = arrivals_per_s * prefill_s / num_replicas
+        if load >= self.max_utilization:
+            return math.inf
+        wait = prefill_s * load ** (math.sqrt(2 * (num_replicas + 1)) - 1) / (num_replicas * (1 - load))
+        return prefill_s + wait * (1 + self.prefill_cv2) / 2
 
     def role_caps(self) -> tuple[int, int]:
         total = self.max_total_replicas
@@ -148,7 +156,7 @@ class PlannerCore:
         if not _finite(obs.request_rate, obs.prompt_len, obs.prefix_hit_rate, obs.output_len):
             return self._logged(hold._replace(reason="hold: metrics missing"), obs)
         self._correct(obs, fleet)
-        need_p, need_d = self._need(obs)
+        need_p, need_d = self._need(obs, fleet)
         num_p, num_d = self._fit(need_p, need_d)
         damped_p = self._damped("context", num_p, fleet.target_context)
         damped_d = self._damped("generation", num_d, fleet.target_generation)
@@ -164,8 +172,10 @@ class PlannerCore:
         return obs._replace(**{field: self.forecasts[key].level for field, key in levels.items()
                                if not _finite(getattr(obs, field))})
 
-    def _need(self, obs: Observation) -> tuple[float, float]:
-        """Fractional replicas each role needs for the forecast."""
+    def _need(self, obs: Observation, fleet: Fleet) -> tuple[float, float]:
+        """Fractional replicas each role needs for the forecast; for decode, at least what the streams
+        running now need (a length measured on finished streams lags when outputs grow: the long
+        ones have not finished yet)."""
         f = self.forecasts
         # what arrives is served by completions: a queue that grew means more arrived than was counted
         backlog = obs.backlog / self.config.adjustment_interval_s if _finite(obs.backlog) else 0.0
@@ -173,27 +183,31 @@ class PlannerCore:
         prompt, hit, output = f["prompt"].update(obs.prompt_len), f["hit"].update(obs.prefix_hit_rate), \
             f["output"].update(obs.output_len)
         uncached = max(1.0, prompt * (1 - min(hit, 1.0)))
-        need_p = rate * uncached / self._context_capacity(uncached)
+        need_p = self._context_replicas(rate, self.table.prefill_time(uncached) * self.correction["context"])
         tpot_target = self.config.tpot_slo_s / self.correction["generation"]
-        decode_rate = self.table.decode_rate(tpot_target, prompt + output / 2)
-        need_d = rate * max(output, 1.0) / decode_rate
+        context = prompt + output / 2
+        need_d = rate * max(output, 1.0) / self.table.decode_rate(tpot_target, context)
+        if _finite(obs.decode_batch):
+            running = obs.decode_batch * fleet.num_generation
+            need_d = max(need_d, running / self.table.decode_batch_within(tpot_target, context))
         return need_p, need_d
 
-    def _context_capacity(self, uncached: float) -> float:
-        """Prompt tokens/s one context replica takes within the TTFT SLO (after correction)."""
-        correction = self.correction["context"]
-        prefill_s = self.table.prefill_time(uncached) * correction
-        rho = min(self.config.max_utilization, max(0.05, 1 - prefill_s / self.config.ttft_slo_s))
-        return self.table.prefill_rate(uncached) / correction * rho
+    def _context_replicas(self, rate: float, prefill_s: float) -> float:
+        """The fewest context replicas whose expected TTFT meets the SLO (the whole budget if none does)."""
+        for num in range(1, self.config.max_total_replicas):
+            if self.config.expected_ttft(prefill_s, rate, num) <= self.config.ttft_slo_s:
+                return float(num)
+        return float(self.config.max_total_replicas)
 
     def _correct(self, obs: Observation, fleet: Fleet) -> None:
         """Measured / expected latency, where both replicas' measurements are there."""
         low, high = self.config.correction_bounds
         if _finite(obs.ttft_s, obs.request_rate, obs.prompt_len, obs.prefix_hit_rate) and obs.ttft_s > 0:
             uncached = max(1.0, obs.prompt_len * (1 - min(obs.prefix_hit_rate, 1.0)))
-            load = obs.request_rate * uncached / (max(1, fleet.num_context) * self.table.prefill_rate(uncached))
-            if load < self.config.max_utilization:  # past it the queue model says nothing credible
-                self._blend("context", obs.ttft_s * (1 - load) / self.table.prefill_time(uncached), low, high)
+            prefill_s, num = self.table.prefill_time(uncached), max(1, fleet.num_context)
+            if obs.request_rate * prefill_s / num < CORRECTION_MAX_LOAD:  # near saturation the wait is too steep
+                self._blend("context", obs.ttft_s / self.config.expected_ttft(prefill_s, obs.request_rate, num),
+                            low, high)
         if _finite(obs.tpot_s, obs.decode_batch, obs.prompt_len, obs.output_len) and obs.tpot_s > 0:
             expected = self.table.per_token_time(max(1.0, obs.decode_batch), obs.prompt_len + obs.output_len / 2)
             self._blend("generation", obs.tpot_s / expected, low, high)

@@ -93,7 +93,7 @@ class Simulation:
         self.context: list[ContextReplica] = []
         self.generation: list[GenerationReplica] = []
         self.target = (0, 0)
-        self.prefilled: list[tuple[float, int, Request]] = []  # heap of (first token time, seq, request)
+        self.prefilled: list[tuple] = []  # heap of (first token time, tie-break, request, its context replica)
         self.waiting: list[tuple[Request, float]] = []  # prefilled, no generation replica had room yet
         self.finished: list[Finished] = []
         self.replica_seconds = [0.0, 0.0]
@@ -108,7 +108,8 @@ class Simulation:
             for _ in range(wanted - len(active)):
                 replicas.append(make(f"r{next(self.names)}"))
             # loading ones go first, then the least busy: each drains what it holds
-            for replica in sorted(active, key=lambda r: (r.ready_s <= now, _work(r, now)))[:len(active) - wanted]:
+            surplus = max(0, len(active) - wanted)
+            for replica in sorted(active, key=lambda r: (r.ready_s <= now, _work(r, now)))[:surplus]:
                 replica.is_draining = True
 
     def run(self) -> Result:
@@ -136,12 +137,12 @@ class Simulation:
             [r for r in self.context if not r.is_draining]
         replica = min(ready, key=lambda r: r.free_at)
         first = replica.assign(request, request.arrival_s, self.table)
-        replica.stats.on_prefill(request.prompt_len, request.cached_len, first - request.arrival_s, now=first)
-        heapq.heappush(self.prefilled, (first, id(request), request))
+        heapq.heappush(self.prefilled, (first, id(request), request, replica))
 
     def _hand_over(self, until: float) -> None:
         while self.prefilled and self.prefilled[0][0] <= until:
-            first, _, request = heapq.heappop(self.prefilled)
+            first, _, request, replica = heapq.heappop(self.prefilled)
+            replica.stats.on_prefill(request.prompt_len, request.cached_len, first - request.arrival_s, now=first)
             if request.output_len <= 1:
                 self.finished.append(Finished(request.arrival_s, first - request.arrival_s, 0.0))
             else:
