@@ -63,13 +63,13 @@ def stationary(duration_s: float = 1200, rate: float = 30.0, seed: int = 0) -> l
 
 
 def shifting(duration_s: float = 1200, seed: int = 0) -> list[Request]:
-    """Prompt-heavy (code, 20/s) for the first third, a linear mix in the middle third, then
-    generation-heavy (long answers, 12/s) for the last third."""
+    """Prompt-heavy (code, 24/s) for the first third, a linear mix in the middle third, then
+    generation-heavy (long answers, 14/s) for the last third."""
     def share_b(t: float) -> float:
         return min(1.0, max(0.0, (t - duration_s / 3) / (duration_s / 3)))
 
     def rate(t: float) -> float:
-        return 20.0 + (12.0 - 20.0) * share_b(t)
+        return 24.0 + (14.0 - 24.0) * share_b(t)
 
     return poisson(duration_s, rate, lambda t, rng: LONG_ANSWERS if rng.random() < share_b(t) else CODE, seed)
 
