@@ -1,6 +1,6 @@
 """The P:D planner against fixed ratios and Serve's per-deployment rule, in a discrete-time model.
 
-    python -m bench.planner_sim [--budget 8] [--duration 1200] [--capacity profile.json] [--traces a,b]
+    python -m bench.planner_sim [--budget 8] [--duration 600] [--capacity profile.json] [--traces a,b]
 
 For each trace (bench.planner_traces: stationary, shifting, burst) and one replica budget, goodput
 (requests/s that meet both the TTFT and the TPOT SLO) of: every fixed P:D with P + D = budget (the
@@ -42,7 +42,7 @@ from bench.planner_policies import FixedPolicy, ServeDefaultPolicy
 from bench.planner_sim_model import ContextReplica, Finished, GenerationReplica
 from bench.planner_traces import TRACES, Request
 
-DT_S, CONTROL_S, LOAD_S, TAIL_S = 0.1, 1.0, 30.0, 120.0
+DT_S, CONTROL_S, LOAD_S, TAIL_S = 0.2, 1.0, 30.0, 120.0
 TTFT_SLO_S, TPOT_SLO_S = 1.0, 0.05
 
 
@@ -183,7 +183,7 @@ def compare(trace_name: str, budget: int, duration_s: float, capacity_path: str 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=int, default=8)
-    parser.add_argument("--duration", type=float, default=1200.0)
+    parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--capacity", default=None, help="bench.profile's JSON (default: the synthetic table)")
     parser.add_argument("--traces", default=",".join(TRACES))
     args = parser.parse_args()

@@ -66,14 +66,11 @@ class GenerationReplica:
         self.first_s = np.zeros(0)
         self.ttft = np.zeros(0)
         self.arrival = np.zeros(0)
+        self.kv_tokens = 0.0  # reserved by the running streams: prompt + output each
 
     @property
     def num_running(self) -> int:
         return len(self.left)
-
-    @property
-    def kv_tokens(self) -> float:
-        return float(self.prompt.sum() + self.output.sum())
 
     def can_admit(self, request: Request) -> bool:
         return (self.num_running < self.table.max_batch
@@ -87,6 +84,7 @@ class GenerationReplica:
         self.prompt, self.output = grow(self.prompt, request.prompt_len), grow(self.output, request.output_len)
         self.first_s, self.arrival = grow(self.first_s, first_s), grow(self.arrival, request.arrival_s)
         self.ttft = grow(self.ttft, first_s - request.arrival_s)
+        self.kv_tokens += request.prompt_len + request.output_len
 
     def step(self, now: float, dt: float) -> list[Finished]:
         """Decode for ``dt`` seconds from ``now``; the streams that end in it."""
@@ -106,6 +104,7 @@ class GenerationReplica:
                     zip(self.arrival[done], self.ttft[done], end, self.first_s[done], decoded)]
         for n in self.output[done]:
             self.stats.on_finished(int(n), now=now + dt)
+        self.kv_tokens -= float(self.prompt[done].sum() + self.output[done].sum())
         keep = ~done
         self.left, self.prompt, self.output = self.left[keep], self.prompt[keep], self.output[keep]
         self.first_s, self.ttft, self.arrival = self.first_s[keep], self.ttft[keep], self.arrival[keep]
