@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sized
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -185,6 +185,15 @@ class WorkerReplica:
             await worker.shutdown()
 
 
+async def drain_leases(leases: Sized, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Wait until no lease is held (each pulled and released, aborted, or lapsed: the worker's reaper
+    frees those) or ``timeout_s`` passed; True if none is left."""
+    deadline = time.monotonic() + timeout_s
+    while len(leases) and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+    return not len(leases)
+
+
 @serve.deployment(name="ContextWorker", **WORKER_OPTIONS)
 class ContextDeployment(WorkerReplica):
     async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
@@ -205,6 +214,17 @@ class ContextDeployment(WorkerReplica):
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Windowed gauges for the P:D planner (app.planner_stats), sampled by Serve's autoscaler."""
         return self.planner_stats.report(self._latest)
+
+    async def __del__(self) -> None:
+        """A scale-down drains: Serve has routed nothing new here and waited out the ongoing prefills;
+        the prompts they leased stay held until their KV is pulled or the lease lapses (a deployment's
+        ``graceful_shutdown_timeout_s`` must allow ``lease_s``, configs/autoscale.yaml)."""
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            timeout_s = max(worker.config.lease_s, worker.config.claim_s) + 1.0
+            if not await drain_leases(worker.leases, timeout_s):
+                log.warning("%s stops with %d leases held", self.name, len(worker.leases))
+        await super().__del__()
 
 
 @serve.deployment(name="GenerationWorker", **WORKER_OPTIONS)

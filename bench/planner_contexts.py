@@ -6,7 +6,7 @@ target), running replica ids, current time and ``aggregated_metrics`` (key -> re
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import NamedTuple
 
 from ray.serve._private.common import DeploymentID, ReplicaID
@@ -28,7 +28,7 @@ def replica_id(deployment: str, unique_id: str) -> ReplicaID:
     return ReplicaID(unique_id, DeploymentID(deployment, APP))
 
 
-@lru_cache(maxsize=None)  # pydantic's validation costs a millisecond; the simulator asks every second
+@cache  # pydantic's validation costs a millisecond; the simulator asks every second
 def autoscaling_config(max_replicas: int) -> AutoscalingConfig:
     """What configs/autoscale.yaml gives each worker deployment: delays 0, bounds 1..max."""
     return AutoscalingConfig(min_replicas=1, max_replicas=max_replicas, upscale_delay_s=0, downscale_delay_s=0)

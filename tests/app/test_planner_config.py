@@ -3,6 +3,8 @@ are autoscaled with Serve's delays off (no Ray cluster)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import yaml
@@ -10,9 +12,10 @@ from ray.serve._private.autoscaling_state import _resolve_policy_callable
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 from ray.serve.schema import ServeDeploySchema
 
+from actors.config import WorkerConfig
 from app.planner import PDPlanner
 from app.planner_core import PlannerConfig
-from app.serve_workers import ContextDeployment, GenerationDeployment
+from app.serve_workers import ContextDeployment, GenerationDeployment, drain_leases
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "autoscale.yaml"
 
@@ -41,3 +44,30 @@ def test_both_worker_deployments_are_autoscaled_without_serve_delays_within_the_
 def test_the_worker_deployments_report_autoscaling_stats():
     for deployment in (ContextDeployment, GenerationDeployment):
         assert callable(getattr(deployment.func_or_class, "record_autoscaling_stats", None))
+
+
+def test_removed_replicas_have_time_to_drain():
+    timeouts = {d.name: d.graceful_shutdown_timeout_s for d in application().deployments}
+    config = WorkerConfig()
+    assert timeouts["ContextWorker"] > max(config.lease_s, config.claim_s) + 1.0
+    assert timeouts["GenerationWorker"] >= 60
+
+
+def test_a_draining_context_replica_waits_for_its_leases():
+    leases = ["req-1", "req-2"]
+
+    async def pull_them() -> None:
+        for _ in range(2):
+            await asyncio.sleep(0.05)
+            leases.pop()
+
+    async def scenario() -> tuple[bool, float]:
+        puller = asyncio.ensure_future(pull_them())
+        start = time.monotonic()
+        drained = await drain_leases(leases, timeout_s=5.0, poll_s=0.01)
+        await puller
+        return drained, time.monotonic() - start
+
+    drained, waited = asyncio.run(scenario())
+    assert drained and not leases and 0.09 <= waited < 1.0
+    assert not asyncio.run(drain_leases(["stuck"], timeout_s=0.05, poll_s=0.01))  # gives up at the timeout
