@@ -50,6 +50,8 @@ class PlannerConfig:
     prefill_cv2: float = 0.5  # squared coefficient of variation of prefill times (prompt lengths vary)
     correction_bounds: tuple[float, float] = (0.7, 2.0)  # a replica faster than profiled gains less than 1/0.7
     scale_down_intervals: int = 2
+    fill_budget: bool = False  # True: every replica of the budget serves, split by need (goodput at a fixed
+    # budget); False: only what the forecast needs (the rest is given back)
     capacity_path: str | None = None  # bench.profile's JSON; None: app.planner_capacity.synthetic_table
     context_deployment: str = "ContextWorker"
     generation_deployment: str = "GenerationWorker"
@@ -217,16 +219,18 @@ class PlannerCore:
         self.correction[role] = min(high, max(low, alpha * ratio + (1 - alpha) * self.correction[role]))
 
     def _fit(self, need_p: float, need_d: float) -> tuple[int, int]:
-        """Whole replicas within the budgets; over the total, shared in proportion to need."""
+        """Whole replicas within the budgets. Over the total, or always with ``fill_budget``, the total
+        is shared in proportion to need (with room for both needs, neither gets less than its own)."""
         cap_p, cap_d = self.config.role_caps()
-        num_p, num_d = min(cap_p, max(1, math.ceil(need_p))), min(cap_d, max(1, math.ceil(need_d)))
         total = self.config.max_total_replicas
-        if num_p + num_d > total:
-            share = need_p / (need_p + need_d)
-            num_p = min(cap_p, max(1, round(total * share)))
-            num_d = min(cap_d, max(1, total - num_p))
-            num_p = min(num_p, total - num_d)
-        return num_p, num_d
+        want_p, want_d = min(cap_p, max(1, math.ceil(need_p))), min(cap_d, max(1, math.ceil(need_d)))
+        if want_p + want_d <= total and not self.config.fill_budget:
+            return want_p, want_d
+        split_p = round(total * need_p / (need_p + need_d)) if need_p + need_d > 0 else total // 2
+        if want_p + want_d <= total:
+            split_p = min(max(split_p, want_p), total - want_d)
+        num_d = min(cap_d, max(1, total - min(cap_p, max(1, split_p))))
+        return min(cap_p, max(1, total - num_d)), num_d
 
     def _damped(self, role: str, wanted: int, current: int) -> int:
         """Grow at once; shrink only after ``scale_down_intervals`` intervals in a row asked to."""

@@ -6,7 +6,8 @@ For each trace (bench.planner_traces: stationary, shifting, burst) and one repli
 (requests/s that meet both the TTFT and the TPOT SLO) of: every fixed P:D with P + D = budget (the
 best one reported), Serve's default queue-length autoscaling applied to each deployment on its own,
 and the planner: app.planner's own PDPlanner class, called with Serve's AutoscalingContext objects
-built here (bench.planner_contexts) from the replicas' own gauges (app.planner_stats).
+built here (bench.planner_contexts) from the replicas' own gauges (app.planner_stats); once with
+``fill_budget`` (the whole budget serves, split by need) and once sizing to need only.
 
 Model and its assumptions:
 - replicas (bench.planner_sim_model) run exactly as the capacity table says (the synthetic one
@@ -56,12 +57,11 @@ class Result(NamedTuple):
 class PlannerPolicy:
     """app.planner.PDPlanner, fed contexts built from the simulated replicas."""
 
-    name = "planner"
-
-    def __init__(self, budget: int, table: CapacityTable, capacity_path: str | None) -> None:
+    def __init__(self, budget: int, table: CapacityTable, capacity_path: str | None, fill_budget: bool = True) -> None:
         self.budget = budget
+        self.name = "planner" if fill_budget else "planner (need only)"
         self.planner = PDPlanner(max_total_replicas=budget, ttft_slo_s=TTFT_SLO_S, tpot_slo_s=TPOT_SLO_S,
-                                 capacity_path=capacity_path)
+                                 capacity_path=capacity_path, fill_budget=fill_budget)
         self.initial = (budget // 2, budget - budget // 2)
 
     def targets(self, sim: Simulation, now: float) -> tuple[int, int]:
@@ -175,7 +175,8 @@ def compare(trace_name: str, budget: int, duration_s: float, capacity_path: str 
     results = {f"fixed {p}:{budget - p}": Simulation(trace, table, FixedPolicy(p, budget - p), duration_s).run()
                for p in range(1, budget)}
     target_d = table.decode_batch_within(TPOT_SLO_S, 1020 + 129 / 2)
-    for policy in (ServeDefaultPolicy(budget, target_d), PlannerPolicy(budget, table, capacity_path)):
+    for policy in (ServeDefaultPolicy(budget, target_d), PlannerPolicy(budget, table, capacity_path),
+                   PlannerPolicy(budget, table, capacity_path, fill_budget=False)):
         results[policy.name] = Simulation(trace, table, policy, duration_s).run()
     return results
 
@@ -190,15 +191,15 @@ def main() -> None:
     logging.getLogger("app.planner_core").setLevel(logging.WARNING)
     print(f"budget {args.budget}, {args.duration:.0f} s a trace, SLOs TTFT {TTFT_SLO_S} s / TPOT {TPOT_SLO_S} s")
     print("| trace | best fixed | goodput | Serve per-deployment | goodput | planner | goodput | "
-          "planner/fixed | planner/Serve |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "planner/fixed | planner/Serve | planner, need only | goodput |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.traces.split(","):
         results = compare(name, args.budget, args.duration, args.capacity)
         fixed = max((k for k in results if k.startswith("fixed")), key=lambda k: results[k].goodput)
-        serve, planner = results["serve-default"], results["planner"]
+        serve, planner, lean = results["serve-default"], results["planner"], results["planner (need only)"]
         print(f"| {name} | {fixed} | {results[fixed].goodput:.2f} | mean {_mean(serve)} | {serve.goodput:.2f} | "
               f"mean {_mean(planner)} | {planner.goodput:.2f} | {_ratio(planner, results[fixed])} | "
-              f"{_ratio(planner, serve)} |")
+              f"{_ratio(planner, serve)} | mean {_mean(lean)} | {lean.goodput:.2f} |")
 
 
 def _mean(result: Result) -> str:

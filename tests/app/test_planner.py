@@ -155,3 +155,15 @@ def test_serve_wrapper_passes_a_sized_decision_through():
     policy(build_contexts(views, 0.0))
     counts = by_name(policy(build_contexts(views, INTERVAL))[0])
     assert (counts["ContextWorker"], counts["GenerationWorker"]) == (4, 2)  # need 3.1 and 1.7
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates, prompts, hits, outputs, st.integers(2, 12))
+def test_fill_budget_serves_with_every_replica_and_meets_each_need_it_can(rate, prompt, hit, output, total):
+    lean = first_decision(Observation(rate, prompt, hit, output),
+                          PlannerConfig(adjustment_interval_s=INTERVAL, max_total_replicas=total))
+    full = first_decision(Observation(rate, prompt, hit, output),
+                          PlannerConfig(adjustment_interval_s=INTERVAL, max_total_replicas=total, fill_budget=True))
+    assert full.num_context + full.num_generation == total
+    if lean.num_context + lean.num_generation < total:  # both needs fit: neither role gets less
+        assert full.num_context >= lean.num_context and full.num_generation >= lean.num_generation
