@@ -33,7 +33,9 @@ from typing import NamedTuple
 
 from app.planner_capacity import CapacityTable
 
-log = logging.getLogger(__name__)
+# A child of Serve's logger: in the controller, where the planner runs, Serve writes it to its own log
+# (controller_*.log) at INFO; a logger of our own would fall to the root's WARNING there.
+log = logging.getLogger("ray.serve.planner")
 CORRECTION_MAX_LOAD = 0.7
 
 

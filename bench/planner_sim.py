@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--capacity", default=None, help="bench.profile's JSON (default: the synthetic table)")
     parser.add_argument("--traces", default=",".join(TRACES))
     args = parser.parse_args()
-    logging.getLogger("app.planner_core").setLevel(logging.WARNING)
+    logging.getLogger("ray.serve.planner").setLevel(logging.WARNING)  # one line a decision: too many here
     print(f"budget {args.budget}, {args.duration:.0f} s a trace, SLOs TTFT {TTFT_SLO_S} s / TPOT {TPOT_SLO_S} s")
     print("| trace | best fixed | goodput | Serve per-deployment | goodput | planner | goodput | "
           "planner/fixed | planner/Serve | planner, need only | goodput |")
