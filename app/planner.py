@@ -111,4 +111,5 @@ def observe(p_metrics: Mapping, d_metrics: Mapping, warm_p: set, warm_d: set) ->
     return Observation(
         request_rate=rate, prompt_len=_ratio(prompt_tokens, rate), prefix_hit_rate=hit, output_len=output,
         ttft_s=_mean(p_metrics, keys.CTX_PREFILL_S, warm_p), tpot_s=_mean(d_metrics, keys.GEN_TPOT_S, warm_d),
-        decode_batch=_mean(d_metrics, keys.GEN_RUNNING, warm_d), backlog=_total(p_metrics, keys.CTX_WAITING))
+        decode_batch=_mean(d_metrics, keys.GEN_RUNNING, warm_d), backlog=_total(p_metrics, keys.CTX_WAITING),
+        decode_tokens_per_s=_total(d_metrics, keys.GEN_TOKENS))

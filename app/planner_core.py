@@ -3,9 +3,9 @@
 Every ``adjustment_interval_s`` (between intervals the targets stand)::
 
     observation (rates, lengths, hit rate, measured TTFT / TPOT)   from the replicas (app.planner)
-        │ forecast: simple exponential smoothing (level only, alpha = ``smoothing``) of the request
-        │ rate, prompt length, prefix-hit rate and output length; sizing takes the larger of the
-        │ forecast and the latest rate, so a rise is met at once and a fall is followed smoothly
+        │ forecast: Holt's linear exponential smoothing (level and trend, ``smoothing`` and
+        │ ``trend_smoothing``) of the request rate, prompt length, prefix-hit rate and output
+        │ length, one interval ahead; sizing takes the larger of the forecast and the latest rate
         ▼
     prefill: uncached prompt = prompt * (1 - hit); its prefill time t from the capacity table,
              times the TTFT correction; P = the fewest replicas whose expected TTFT, t plus an
@@ -47,8 +47,9 @@ class PlannerConfig:
     max_total_replicas: int = 8
     max_context_replicas: int | None = None  # None: the total budget less one generation replica
     max_generation_replicas: int | None = None
-    smoothing: float = 0.5  # weight of the newest interval in the forecast
-    max_utilization: float = 0.9  # a context replica's load is kept below this whatever the SLO allows
+    smoothing: float = 0.5  # weight of the newest interval in the forecast's level
+    trend_smoothing: float = 0.3  # weight of the newest change in its trend (0: no trend, level only)
+    max_utilization: float = 0.8  # a context replica's load is kept below this whatever the SLO allows
     prefill_cv2: float = 0.5  # squared coefficient of variation of prefill times (prompt lengths vary)
     correction_bounds: tuple[float, float] = (0.7, 2.0)  # a replica faster than profiled gains less than 1/0.7
     scale_down_intervals: int = 2
@@ -66,6 +67,8 @@ class PlannerConfig:
         for cap in (self.max_context_replicas, self.max_generation_replicas):
             if cap is not None and cap < 1:
                 raise ValueError("a per-role budget must be at least 1")
+        if not 0 <= self.trend_smoothing <= 1:
+            raise ValueError("trend_smoothing in [0, 1]")
         if not 0 < self.smoothing <= 1 or not 0 < self.max_utilization < 1 or self.prefill_cv2 < 0:
             raise ValueError("smoothing in (0, 1], max_utilization in (0, 1), prefill_cv2 >= 0")
 
@@ -97,6 +100,7 @@ class Observation(NamedTuple):
     tpot_s: float | None = None  # mean per-token time of warm generation replicas
     decode_batch: float | None = None  # mean running streams per warm generation replica
     backlog: float | None = None  # requests waiting at the context replicas: worked off within an interval
+    decode_tokens_per_s: float | None = None  # output tokens/s of all generation replicas
 
 
 class Fleet(NamedTuple):
@@ -123,15 +127,26 @@ def _finite(*values: float | None) -> bool:
 
 
 class Smoother:
-    """Simple exponential smoothing (level only): level <- a * x + (1 - a) * level."""
+    """Holt's linear exponential smoothing: a level and a trend, the forecast one interval ahead is
+    level + trend (never below 0). ``level`` is what a quiet interval falls back on.
 
-    def __init__(self, alpha: float) -> None:
-        self.alpha = alpha
+        level <- a * x + (1 - a) * (level + trend)        trend <- b * (level' - level) + (1 - b) * trend
+    """
+
+    def __init__(self, alpha: float, beta: float) -> None:
+        self.alpha, self.beta = alpha, beta
         self.level: float | None = None
+        self.trend = 0.0
 
     def update(self, value: float) -> float:
-        self.level = value if self.level is None else self.alpha * value + (1 - self.alpha) * self.level
-        return self.level
+        """Take this interval's value; the forecast of the next."""
+        if self.level is None:
+            self.level = value
+            return value
+        level = self.alpha * value + (1 - self.alpha) * (self.level + self.trend)
+        self.trend = self.beta * (level - self.level) + (1 - self.beta) * self.trend
+        self.level = level
+        return max(0.0, level + self.trend)
 
 
 class PlannerCore:
@@ -140,7 +155,8 @@ class PlannerCore:
     def __init__(self, config: PlannerConfig, table: CapacityTable) -> None:
         self.config = config
         self.table = table
-        self.forecasts = {key: Smoother(config.smoothing) for key in ("rate", "prompt", "hit", "output")}
+        self.forecasts = {key: Smoother(config.smoothing, config.trend_smoothing)
+                          for key in ("rate", "prompt", "hit", "output")}
         self.correction = {"context": 1.0, "generation": 1.0}
         self.num_shrink_votes = {"context": 0, "generation": 0}
         self.last_adjusted_s: float | None = None
@@ -184,13 +200,15 @@ class PlannerCore:
         # what arrives is served by completions: a queue that grew means more arrived than was counted
         backlog = obs.backlog / self.config.adjustment_interval_s if _finite(obs.backlog) else 0.0
         rate = max(f["rate"].update(obs.request_rate), obs.request_rate) + backlog
-        prompt, hit, output = f["prompt"].update(obs.prompt_len), f["hit"].update(obs.prefix_hit_rate), \
-            f["output"].update(obs.output_len)
+        prompt, hit = f["prompt"].update(obs.prompt_len), min(1.0, f["hit"].update(obs.prefix_hit_rate))
+        output = f["output"].update(obs.output_len)
         uncached = max(1.0, prompt * (1 - min(hit, 1.0)))
         need_p = self._context_replicas(rate, self.table.prefill_time(uncached) * self.correction["context"])
         tpot_target = self.config.tpot_slo_s / self.correction["generation"]
         context = prompt + output / 2
-        need_d = rate * max(output, 1.0) / self.table.decode_rate(tpot_target, context)
+        # the tokens decoded now count every running stream, not only those that finished
+        decoded = obs.decode_tokens_per_s if _finite(obs.decode_tokens_per_s) else 0.0
+        need_d = max(rate * max(output, 1.0), decoded) / self.table.decode_rate(tpot_target, context)
         if _finite(obs.decode_batch):
             running = obs.decode_batch * fleet.num_generation
             need_d = max(need_d, running / self.table.decode_batch_within(tpot_target, context))
@@ -246,7 +264,8 @@ class PlannerCore:
         return current
 
     def _logged(self, decision: Decision, obs: Observation) -> Decision:
-        log.info("planner: rate=%s prompt=%s hit=%s output=%s ttft=%s tpot=%s batch=%s backlog=%s corr=%.2f/%.2f "
+        log.info("planner: rate=%s prompt=%s hit=%s output=%s ttft=%s tpot=%s batch=%s backlog=%s decoded=%s "
+                 "corr=%.2f/%.2f "
                  "need=%.2f/%.2f -> P=%d D=%d (%s)", *(_fmt(v) for v in obs), self.correction["context"],
                  self.correction["generation"], decision.need_context, decision.need_generation,
                  decision.num_context, decision.num_generation, decision.reason)
