@@ -1,6 +1,6 @@
 """The P:D planner against fixed ratios and Serve's per-deployment rule, in a discrete-time model.
 
-    python -m bench.planner_sim [--budget 8] [--duration 600] [--capacity profile.json] [--traces a,b]
+    python -m bench.planner_sim [--budget 8] [--duration 600] [--warmup 0] [--capacity profile.json] [--traces a,b]
 
 For each trace (bench.planner_traces: stationary, shifting, burst) and one replica budget, goodput
 (requests/s that meet both the TTFT and the TPOT SLO) of: every fixed P:D with P + D = budget (the
@@ -24,8 +24,9 @@ Model and its assumptions:
   Targets: the context's Serve default (2); the generation's the batch the table allows within
   the TPOT SLO at the stationary trace's mean context (an operator who tuned it). Replicas past
   the budget stay pending, as on a cluster that has room for ``budget`` replicas.
-- both autoscaled policies start at budget / 2 of each role; a request unfinished
-  ``TAIL_S`` after the trace ends misses its SLO.
+- both autoscaled policies start at budget / 2 of each role (``--warmup`` replays the trace's
+  start first, unscored, so that they start settled); a request unfinished ``TAIL_S`` after
+  the trace ends misses its SLO.
 """
 
 from __future__ import annotations
@@ -87,8 +88,11 @@ def _metrics(replicas: list, now: float) -> dict[str, dict[str, float]]:
 
 
 class Simulation:
-    def __init__(self, trace: list[Request], table: CapacityTable, policy, duration_s: float) -> None:
+    def __init__(self, trace: list[Request], table: CapacityTable, policy, duration_s: float,
+                 warmup_s: float = 0.0) -> None:
+        """``trace`` spans ``warmup_s + duration_s``; requests arriving in the warm-up are served, not scored."""
         self.trace, self.table, self.policy, self.duration_s = trace, table, policy, duration_s
+        self.warmup_s = warmup_s
         self.names = itertools.count()
         self.context: list[ContextReplica] = []
         self.generation: list[GenerationReplica] = []
@@ -113,7 +117,7 @@ class Simulation:
                 replica.is_draining = True
 
     def run(self) -> Result:
-        arrivals, now, end = iter(self.trace), 0.0, self.duration_s + TAIL_S
+        arrivals, now, end = iter(self.trace), 0.0, self.warmup_s + self.duration_s + TAIL_S
         upcoming = next(arrivals, None)
         while now < end and (upcoming is not None or self.prefilled or self.waiting or self._busy()):
             while upcoming is not None and upcoming.arrival_s < now + DT_S:
@@ -125,9 +129,11 @@ class Simulation:
             now += DT_S
             if round(now / DT_S) % round(CONTROL_S / DT_S) == 0:
                 self._control(now)
-        good = sum(1 for f in self.finished if f.ttft_s <= TTFT_SLO_S and f.tpot_s <= TPOT_SLO_S)
+        scored = [f for f in self.finished if f.arrival_s >= self.warmup_s]
+        good = sum(1 for f in scored if f.ttft_s <= TTFT_SLO_S and f.tpot_s <= TPOT_SLO_S)
         mean = tuple(s / max(now, DT_S) for s in self.replica_seconds)
-        return Result(good / self.duration_s, len(self.trace), good, mean)
+        num_scored = sum(1 for r in self.trace if r.arrival_s >= self.warmup_s)
+        return Result(good / self.duration_s, num_scored, good, mean)
 
     def _busy(self) -> bool:
         return any(r.num_running for r in self.generation)
@@ -169,15 +175,26 @@ def _work(replica, now: float) -> float:
     return replica.num_ongoing(now) if isinstance(replica, ContextReplica) else replica.num_running
 
 
-def compare(trace_name: str, budget: int, duration_s: float, capacity_path: str | None) -> dict[str, Result]:
+def with_warmup(trace: list[Request], warmup_s: float) -> list[Request]:
+    """The trace's first ``warmup_s`` replayed before it (the autoscaled policies settle on the traffic
+    the scored part starts with, as a planner that was already running would have)."""
+    head = [r for r in trace if r.arrival_s < warmup_s]
+    return head + [r._replace(arrival_s=r.arrival_s + warmup_s) for r in trace]
+
+
+def compare(trace_name: str, budget: int, duration_s: float, capacity_path: str | None,
+            warmup_s: float = 0.0) -> dict[str, Result]:
     table = CapacityTable.load(capacity_path) if capacity_path else synthetic_table()
-    trace = TRACES[trace_name](duration_s)
-    results = {f"fixed {p}:{budget - p}": Simulation(trace, table, FixedPolicy(p, budget - p), duration_s).run()
-               for p in range(1, budget)}
+    trace = with_warmup(TRACES[trace_name](duration_s), warmup_s)
+
+    def run(policy) -> Result:
+        return Simulation(trace, table, policy, duration_s, warmup_s).run()
+
+    results = {f"fixed {p}:{budget - p}": run(FixedPolicy(p, budget - p)) for p in range(1, budget)}
     target_d = table.decode_batch_within(TPOT_SLO_S, 1020 + 129 / 2)
     for policy in (ServeDefaultPolicy(budget, target_d), PlannerPolicy(budget, table, capacity_path),
                    PlannerPolicy(budget, table, capacity_path, fill_budget=False)):
-        results[policy.name] = Simulation(trace, table, policy, duration_s).run()
+        results[policy.name] = run(policy)
     return results
 
 
@@ -187,14 +204,16 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=600.0)
     parser.add_argument("--capacity", default=None, help="bench.profile's JSON (default: the synthetic table)")
     parser.add_argument("--traces", default=",".join(TRACES))
+    parser.add_argument("--warmup", type=float, default=0.0, help="seconds of the trace's start replayed, unscored")
     args = parser.parse_args()
     logging.getLogger("ray.serve.planner").setLevel(logging.WARNING)  # one line a decision: too many here
-    print(f"budget {args.budget}, {args.duration:.0f} s a trace, SLOs TTFT {TTFT_SLO_S} s / TPOT {TPOT_SLO_S} s")
+    print(f"budget {args.budget}, {args.duration:.0f} s a trace after {args.warmup:.0f} s of warm-up, "
+          f"SLOs TTFT {TTFT_SLO_S} s / TPOT {TPOT_SLO_S} s")
     print("| trace | best fixed | goodput | Serve per-deployment | goodput | planner | goodput | "
           "planner/fixed | planner/Serve | planner, need only | goodput |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.traces.split(","):
-        results = compare(name, args.budget, args.duration, args.capacity)
+        results = compare(name, args.budget, args.duration, args.capacity, args.warmup)
         fixed = max((k for k in results if k.startswith("fixed")), key=lambda k: results[k].goodput)
         serve, planner, lean = results["serve-default"], results["planner"], results["planner (need only)"]
         print(f"| {name} | {fixed} | {results[fixed].goodput:.2f} | mean {_mean(serve)} | {serve.goodput:.2f} | "
