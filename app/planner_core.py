@@ -37,6 +37,7 @@ from app.planner_capacity import CapacityTable
 # (controller_*.log) at INFO; a logger of our own would fall to the root's WARNING there.
 log = logging.getLogger("ray.serve.planner")
 CORRECTION_MAX_LOAD = 0.7
+KEEP_MARGIN = 0.5  # replicas a role must have beyond its need for a fill_budget split to be kept
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,10 @@ class PlannerCore:
         self._correct(obs, fleet)
         need_p, need_d = self._need(obs, fleet)
         num_p, num_d = self._fit(need_p, need_d)
+        if self.config.fill_budget and abs(num_p - fleet.target_context) <= 1 and self._meets(need_p, need_d, fleet):
+            # one replica off the ideal split but meeting both needs: moving it costs a replica's load time
+            return self._logged(Decision(fleet.target_context, fleet.target_generation, "kept: meets both needs",
+                                         need_p, need_d), obs)
         damped_p = self._damped("context", num_p, fleet.target_context)
         damped_d = self._damped("generation", num_d, fleet.target_generation)
         if damped_p + damped_d <= self.config.max_total_replicas:  # else the budget wins over the damping
@@ -239,18 +244,26 @@ class PlannerCore:
         self.correction[role] = min(high, max(low, alpha * ratio + (1 - alpha) * self.correction[role]))
 
     def _fit(self, need_p: float, need_d: float) -> tuple[int, int]:
-        """Whole replicas within the budgets. Over the total, or always with ``fill_budget``, the total
-        is shared in proportion to need (with room for both needs, neither gets less than its own)."""
+        """Whole replicas within the budgets. Over the total, it is shared in proportion to need; under
+        it with ``fill_budget``, each role gets its need and half the spare (the context role the
+        smaller half)."""
         cap_p, cap_d = self.config.role_caps()
         total = self.config.max_total_replicas
         want_p, want_d = min(cap_p, max(1, math.ceil(need_p))), min(cap_d, max(1, math.ceil(need_d)))
         if want_p + want_d <= total and not self.config.fill_budget:
             return want_p, want_d
-        split_p = round(total * need_p / (need_p + need_d)) if need_p + need_d > 0 else total // 2
-        if want_p + want_d <= total:
-            split_p = min(max(split_p, want_p), total - want_d)
+        if want_p + want_d <= total:  # both needs met; the spare halved: headroom for a forecast miss either side
+            split_p = want_p + (total - want_p - want_d) // 2
+        else:
+            split_p = round(total * need_p / (need_p + need_d))
         num_d = min(cap_d, max(1, total - min(cap_p, max(1, split_p))))
         return min(cap_p, max(1, total - num_d)), num_d
+
+    def _meets(self, need_p: float, need_d: float, fleet: Fleet) -> bool:
+        """The whole budget already serves, and each role has its need and half a replica to spare."""
+        total = fleet.target_context + fleet.target_generation
+        return (total == self.config.max_total_replicas and fleet.target_context >= need_p + KEEP_MARGIN
+                and fleet.target_generation >= need_d + KEEP_MARGIN)
 
     def _damped(self, role: str, wanted: int, current: int) -> int:
         """Grow at once; shrink only after ``scale_down_intervals`` intervals in a row asked to."""
