@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sized
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -33,6 +33,7 @@ from actors.context_worker import ContextWorker
 from actors.generation_worker import GenerationWorker
 from actors.messages import KVHandle, Prefilled
 from actors.worker_base import EngineWorker
+from app.planner_stats import ContextStats, GenerationStats
 from app.routing import ROUTER_PATH, RoutingHint
 from engine.outputs import RequestUpdate, stamp
 from engine.params import SamplingParams
@@ -184,29 +185,60 @@ class WorkerReplica:
             await worker.shutdown()
 
 
+async def drain_leases(leases: Sized, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Wait until no lease is held (each pulled and released, aborted, or lapsed: the worker's reaper
+    frees those) or ``timeout_s`` passed; True if none is left."""
+    deadline = time.monotonic() + timeout_s
+    while len(leases) and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+    return not len(leases)
+
+
 @serve.deployment(name="ContextWorker", **WORKER_OPTIONS)
 class ContextDeployment(WorkerReplica):
     async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        self.planner_stats = ContextStats()
         await super().__init__("context", ContextWorker(config), board)
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       hint: RoutingHint | None = None) -> Prefilled:
+        start = time.monotonic()
         try:
-            return await self.worker.prefill(request_id, prompt_token_ids, params)
+            prefilled = await self.worker.prefill(request_id, prompt_token_ids, params)
+            cached = prefilled.kv.num_cached_tokens if prefilled.kv is not None else prefilled.first.num_cached_tokens
+            self.planner_stats.on_prefill(prefilled.first.num_prompt_tokens, cached, time.monotonic() - start)
+            return prefilled
         finally:
             self.account(request_id)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Windowed gauges for the P:D planner (app.planner_stats), sampled by Serve's autoscaler."""
+        return self.planner_stats.report(self._latest)
+
+    async def __del__(self) -> None:
+        """A scale-down drains: Serve has routed nothing new here and waited out the ongoing prefills;
+        the prompts they leased stay held until their KV is pulled or the lease lapses (a deployment's
+        ``graceful_shutdown_timeout_s`` must allow ``lease_s``, configs/autoscale.yaml)."""
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            timeout_s = max(worker.config.lease_s, worker.config.claim_s) + 1.0
+            if not await drain_leases(worker.leases, timeout_s):
+                log.warning("%s stops with %d leases held", self.name, len(worker.leases))
+        await super().__del__()
 
 
 @serve.deployment(name="GenerationWorker", **WORKER_OPTIONS)
 class GenerationDeployment(WorkerReplica):
     async def __init__(self, config: WorkerConfig, board: DeploymentHandle) -> None:
+        self.planner_stats = GenerationStats()
         await super().__init__("generation", GenerationWorker(config), board)
 
     async def generate(
         self, handle: KVHandle, prompt_token_ids: list[int], params: SamplingParams, hint: RoutingHint | None = None
     ) -> AsyncIterator[RequestUpdate]:
         request_id = hint.request_id if hint is not None else handle.request_id  # the id the router saw
-        async for update in self._relay(request_id, self.worker.generate(handle, prompt_token_ids, params)):
+        async for update in self._timed(self._relay(request_id, self.worker.generate(handle, prompt_token_ids,
+                                                                                      params))):
             yield update
 
     async def generate_local(
@@ -214,8 +246,24 @@ class GenerationDeployment(WorkerReplica):
     ) -> AsyncIterator[RequestUpdate]:
         """Prefill here too (app.placement: a prompt whose uncached part is short)."""
         updates = self.worker.generate_local(request_id, prompt_token_ids, params)
-        async for update in self._relay(request_id, updates):
+        async for update in self._timed(self._relay(request_id, updates)):
             yield update
+
+    async def _timed(self, updates: AsyncIterator[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
+        """Each update's tokens and its gap since the stream's previous one, for the planner's gauges."""
+        async with contextlib.aclosing(updates):
+            previous = None
+            async for update in updates:
+                now = time.monotonic()
+                self.planner_stats.on_update(len(update.new_token_ids), None if previous is None else now - previous)
+                if update.finish_reason is not None:
+                    self.planner_stats.on_finished(update.num_output_tokens)
+                previous = now
+                yield update
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Windowed gauges for the P:D planner (app.planner_stats), sampled by Serve's autoscaler."""
+        return self.planner_stats.report(self._latest)
 
 
 class AggregatedReplica(WorkerReplica):
