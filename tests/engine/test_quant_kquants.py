@@ -40,6 +40,9 @@ KINDS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, *NEW_KINDS]
 SCALE_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
                 Q.Q6_K: (208,)}
 U32 = 2.0 ** -24  # float32's unit roundoff
+# gguf's numpy dequantizer warns on the NaN and Inf scales that random bytes hold
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:overflow encountered:RuntimeWarning")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,7 @@ def test_rows_dequantize_bit_for_bit_as_gguf(kernels, kind, out_features, in_blo
     assert same_bits(rows(torch.from_numpy(blocks), int(kind), index), dequantized(blocks, kind)[index])
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(**shapes, rows=st.integers(1, 8))
 def test_few_rows_match_the_dequantized_product_and_not_the_rest_of_the_batch(kernels, kind, out_features,
                                                                              in_blocks, bias, seed, rows):
@@ -134,7 +137,7 @@ def test_few_rows_match_the_dequantized_product_and_not_the_rest_of_the_batch(ke
         assert same_bits(linear(x[t:t + 1], torch.from_numpy(blocks), int(kind), b)[0], y[t])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(**shapes, rows=st.integers(9, 40), tile_rows=st.integers(1, 64))
 def test_many_rows_match_the_dequantized_product(kernels, kind, out_features, in_blocks, bias, seed, rows,
                                                  tile_rows):
@@ -278,7 +281,7 @@ def mixed_file(tmp_path_factory):
 
 def test_a_gguf_file_of_mixed_kinds_loads_into_blocks_that_dequantize_to_its_weights(kernels, mixed_file):
     """Every matrix stays in its file's kind and dequantizes to the converted weights (the load-time check
-    passed for each); q/k/v of mixed kinds stay three matmuls, gate/up of one kind are fused."""
+    passed for each); q/k/v of mixed kinds stay three matmuls, of one kind are fused, as gate/up are."""
     _, _, ours, dense, kinds = mixed_file
     modules, dense_modules = dict(ours.named_modules()), dict(dense.named_modules())
     for name, kind in kinds.items():
@@ -286,8 +289,10 @@ def test_a_gguf_file_of_mixed_kinds_loads_into_blocks_that_dequantize_to_its_wei
         assert isinstance(module, QuantizedEmbedding if "embed" in name else QuantizedLinear), name
         assert module.weight.kind == int(kind), name
         assert torch.equal(module.weight.dequantize(), dense_modules[name.removesuffix(".weight")].weight), name
-    for layer in ours.model.layers:
-        assert layer.self_attn.qkv is None  # v_proj's kind differs from q/k's
+    first, second = ours.model.layers
+    assert first.self_attn.qkv is None  # v_proj Q8_0, q/k Q5_0: three matmuls
+    assert second.self_attn.qkv is not None and second.self_attn.qkv[0].kind == int(Q.Q5_0)
+    for layer in (first, second):
         assert layer.mlp.gate_up is not None and layer.mlp.gate_up[0].kind == int(Q.Q5_0)
 
 
