@@ -1,4 +1,5 @@
-"""GGUF weights kept in their quantized blocks (Q8_0, Q4_0, Q4_1) on the CPU, for float32 activations.
+"""GGUF weights kept in their quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) on the CPU, for
+float32 activations.
 
 A decode step streams every weight once; in Q4_1 that is 5 bits a weight instead of float32's 32.
 ``QuantizedWeight`` stands where a float32 weight tensor stands in ``engine.models.packed.linear``::
@@ -19,7 +20,9 @@ are those of a bf16 matmul, no longer the float32 model's.
 ``QuantizedLinear`` / ``QuantizedEmbedding`` holding the file's blocks, where the file stores that
 tensor in one of those formats (everything else, norms included, stays as loaded). GGUF's llama
 architecture stores q/k rows interleaved per head (engine.gguf's writer notes why); quantization runs
-along a row, so those rows are put back in Hugging Face's order whole, blocks untouched.
+along a row, so those rows are put back in Hugging Face's order whole, blocks untouched. A file may mix
+kinds (Gemma 3's Q4_K_M: Q5_0 q/k/gate/up, Q8_0 or Q5_0 v, Q4_K o, Q6_K or Q4_K down): each weight keeps
+its own, and q/k/v or gate/up are fused into one weight only where their kinds agree (``QuantizedWeight.cat``).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from engine.native import quant_linear_kernel, quant_matmul_kernel, quant_rows_k
 
 logger = logging.getLogger(__name__)
 
-KIND_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml's type ids, as GGUF files store them
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-BLOCK_SIZE = 32
+# ggml's type ids, as GGUF files store them; each block holds BLOCK_WEIGHTS weights of one row in BLOCK_BYTES
+# (engine/native/quant_blocks.h shows the layouts): 32, or 256 for a K-quant's super-block
+KIND_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+BLOCK_BYTES = {2: 18, 3: 20, 6: 22, 8: 34, 12: 144, 13: 176, 14: 210}
+BLOCK_WEIGHTS = {2: 32, 3: 32, 6: 32, 8: 32, 12: 256, 13: 256, 14: 256}
 # Weights dequantized per tile of a prefill's GEMM (1 MiB of float32; SmolLM2's [1536, 576] matmul of
 # 400 rows measured 9-10 ms at tiles of 128-1536 rows, the float32 weight's own GEMM 9.4 ms).
 PREFILL_TILE_WEIGHTS = 1 << 18
@@ -52,7 +57,8 @@ def kernels_available() -> bool:
 
 
 class QuantizedWeight:
-    """A weight [out, in] as GGUF blocks: ``blocks`` uint8 [out, in / 32 * block bytes], ``kind`` ggml's id."""
+    """A weight [out, in] as GGUF blocks: ``blocks`` uint8 [out, in / BLOCK_WEIGHTS * BLOCK_BYTES] of ggml's
+    type id ``kind``."""
 
     dtype = torch.float32  # what its matmuls produce (the model's compute dtype)
     device = torch.device("cpu")
@@ -64,7 +70,7 @@ class QuantizedWeight:
         if prefill_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"prefill_dtype must be float32 or bfloat16, got {prefill_dtype}")
         self.blocks, self.kind, self.prefill_dtype = blocks, kind, prefill_dtype
-        self.shape = torch.Size((blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind] * BLOCK_SIZE))
+        self.shape = torch.Size((blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[kind] * BLOCK_WEIGHTS[kind]))
 
     @property
     def nbytes(self) -> int:
@@ -138,7 +144,7 @@ def hf_row_order(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def quantize_gguf_weights(model: nn.Module, gguf_path: str, prefill_dtype: torch.dtype = torch.float32) -> int:
     """Swap ``model``'s linears and embedding for quantized ones holding ``gguf_path``'s blocks, where the
-    file stores the weight as Q8_0, Q4_0 or Q4_1; the number swapped. ``model`` holds the same weights
+    file stores the weight in one of KIND_NAMES' formats; the number swapped. ``model`` holds the same weights
     dequantized (loaded from engine.gguf's converted folder): a few rows of each are compared, so a file
     that does not match the model fails here instead of generating garbage. ``prefill_dtype``: the dtype of
     their many-row matmuls (``QuantizedWeight``)."""

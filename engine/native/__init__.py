@@ -11,7 +11,8 @@ extension cache, ``~/.cache/torch_extensions`` or ``$TORCH_EXTENSIONS_DIR``).
 - ``rows_linear``: the matmul of a few rows (a decode step's), each weight row read once as one
   memory stream (``engine.models.packed``);
 - ``quant_linear``, ``quant_matmul``, ``quant_rows``: matmuls on GGUF weights kept in their Q8_0 / Q4_0 /
-  Q4_1 blocks, and their rows dequantized (``engine.models.quantized``);
+  Q4_1 / Q5_0 blocks or Q4_K / Q5_K / Q6_K super-blocks, and their rows dequantized
+  (``engine.models.quantized``);
 - ``DecodeStack``: every layer of a Llama-family decoder for a few-row step, one call from Python
   (``engine.models.native_stack``).
 

@@ -15,7 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts", &moe_experts, "GPT-OSS's expert layer for a few tokens (pairs sorted by expert), one call", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows in one pass");
   m.def("argmax_rows", &argmax_rows, "each row's first index of its maximum (its first NaN if it has one)");
-  m.def("quant_linear", &quant_linear, "x @ W.T + bias for a few rows, W in GGUF blocks (Q8_0, Q4_0, Q4_1)", nogil);
+  m.def("quant_linear", &quant_linear, "x @ W.T + bias for a few rows, W in GGUF blocks (Q8_0 ... Q6_K)", nogil);
   m.def("quant_rows", &quant_rows, "rows of a GGUF-quantized weight, dequantized to float32", nogil);
   m.def("quant_matmul", &quant_matmul, "x @ W.T + bias for many rows, W dequantized a tile at a time", nogil);
   m.def("set_pool_yields", &set_pool_yields, "how the few-row kernels' helper threads wait between jobs");

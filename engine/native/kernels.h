@@ -32,7 +32,7 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 void write_kv(at::Tensor& cache, int64_t layer, const at::Tensor& write_rows, const at::Tensor& key,
               const at::Tensor& value);
 
-// Matmuls on GGUF quantized blocks [out, in / 32 * block bytes], kind = ggml's type id (quant.cpp).
+// Matmuls on GGUF quantized blocks [out, in / W * block bytes] (W = 32 or 256), kind = ggml's type id (quant.cpp).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                         const c10::optional<at::Tensor>& bias);
 

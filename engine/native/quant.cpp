@@ -1,7 +1,7 @@
-// Matmuls on GGUF weights kept in their quantized blocks (llama.cpp's Q8_0, Q4_0, Q4_1), with float32
-// activations: a decode step reads 4.5-8.5 bits per weight instead of 32.
+// Matmuls on GGUF weights kept in their quantized blocks (llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K,
+// Q6_K), with float32 activations: a decode step reads 4.5-8.5 bits per weight instead of 32.
 //
-// Block layouts: quant_blocks.h.
+// Block layouts: quant_blocks.h; a row as groups of 32 weights: quant_groups.h.
 //
 // Each weight is rounded as the gguf package's dequantize rounds it (product, then sum, in float32), so
 // the dequantized values equal the float32 weights the GGUF converter wrote bit for bit.
@@ -15,84 +15,51 @@
 #include <vector>
 
 #include "kernels.h"
-#include "quant_blocks.h"
+#include "quant_groups.h"
 
 namespace {
 
-using windserve::half_at;
-using windserve::kBlock;
-using windserve::kQ4_0;
-using windserve::kQ4_1;
-using windserve::kQ8_0;
+using windserve::GroupScales;
+using windserve::kGroup;
+using windserve::kGroupsPer;
+using windserve::kHasOffset;
 
+// Sub-block i's 32 weights: d(j) * q[j] + m (quant_groups.h), 8 at a time where AVX2 is, else one by one.
+template <int64_t K>
+void dequantize_group(const uint8_t* block, int i, float* w) {
+  const GroupScales scales = windserve::group_scales<K>(block, i);
 #if defined(__AVX2__) && defined(__F16C__)
-// One block's 32 weights, 8 at a time: bytes widened to int32, converted, scaled (d), shifted (m).
-template <int64_t K>
-void dequantize_block(const uint8_t* block, float* w) {
-  const __m256 d = _mm256_set1_ps(half_at(block));
-  if constexpr (K == kQ8_0) {
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
-    const __m128i parts[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
-    for (int p = 0; p < 4; ++p) {
-      _mm256_storeu_ps(w + 8 * p, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[p])), d));
-    }
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (K == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    if constexpr (K == kQ4_0) {
-      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
-      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
-    }
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const __m256 m = _mm256_set1_ps(K == kQ4_1 ? half_at(block + 2) : 0.0f);
-    for (int p = 0; p < 4; ++p) {
-      // Q4_0's values are signed (-8..7), Q4_1's unsigned (0..15): both fit int8
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[p]));
-      const __m256 v = _mm256_mul_ps(d, q);
-      _mm256_storeu_ps(w + 8 * p, K == kQ4_1 ? _mm256_add_ps(v, m) : v);
-    }
+  __m256 q[4];
+  windserve::load_group<K>(block, i, q);
+  const __m256 m = _mm256_set1_ps(scales.m);
+  for (int p = 0; p < 4; ++p) {
+    const __m256 v = _mm256_mul_ps(_mm256_set1_ps(p < 2 ? scales.d0 : scales.d1), q[p]);
+    _mm256_storeu_ps(w + 8 * p, kHasOffset<K> ? _mm256_add_ps(v, m) : v);
   }
-}
 #else
-template <int64_t K>
-void dequantize_block(const uint8_t* block, float* w) {
-  const float d = half_at(block);
-  if constexpr (K == kQ8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-    for (int j = 0; j < kBlock; ++j) w[j] = static_cast<float>(q[j]) * d;
-  } else if constexpr (K == kQ4_0) {
-    const uint8_t* qs = block + 2;
-    for (int j = 0; j < kBlock / 2; ++j) w[j] = static_cast<float>((qs[j] & 15) - 8) * d;
-    for (int j = 0; j < kBlock / 2; ++j) w[j + 16] = static_cast<float>((qs[j] >> 4) - 8) * d;
-  } else {
-    const float m = half_at(block + 2);
-    const uint8_t* qs = block + 4;
-    for (int j = 0; j < kBlock / 2; ++j) w[j] = d * static_cast<float>(qs[j] & 15) + m;
-    for (int j = 0; j < kBlock / 2; ++j) w[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+  for (int j = 0; j < kGroup; ++j) {
+    const float v = (j < 16 ? scales.d0 : scales.d1) * static_cast<float>(windserve::q_at<K>(block, i, j));
+    w[j] = kHasOffset<K> ? v + scales.m : v;
   }
-}
 #endif
+}
 
 template <int64_t K>
 void dequantize_row_of(const uint8_t* row, int64_t in, float* w) {
-  for (int64_t b = 0; b < in / kBlock; ++b) dequantize_block<K>(row + b * windserve::kBlockBytes<K>, w + b * kBlock);
+  for (int64_t g = 0; g < in / kGroup; ++g) {
+    dequantize_group<K>(windserve::block_of_group<K>(row, g), static_cast<int>(g % kGroupsPer<K>), w + g * kGroup);
+  }
 }
 
 void dequantize_row(int64_t kind, const uint8_t* row, int64_t in, float* w) {
-  switch (kind) {
-    case kQ8_0: dequantize_row_of<kQ8_0>(row, in, w); break;
-    case kQ4_0: dequantize_row_of<kQ4_0>(row, in, w); break;
-    default: dequantize_row_of<kQ4_1>(row, in, w); break;
-  }
+  windserve::dispatch_kind(kind, [&](auto k) { dequantize_row_of<decltype(k)::value>(row, in, w); });
 }
 
 }  // namespace
 
 namespace windserve {
 
-// The weight's in-features, checked against its blocks [out, in / 32 * block_bytes].
+// The weight's in-features, checked against its blocks [out, in / W * block_bytes] (W weights a block).
 int64_t check_quant_blocks(const at::Tensor& blocks, int64_t kind, const char* name) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.device().is_cpu() && blocks.dim() == 2 &&
                   blocks.is_contiguous(),
@@ -100,7 +67,7 @@ int64_t check_quant_blocks(const at::Tensor& blocks, int64_t kind, const char* n
   const int64_t bytes = block_bytes(kind);
   TORCH_CHECK(blocks.size(1) % bytes == 0, name, ": a row of ", blocks.size(1), " bytes is not whole blocks of ",
               bytes);
-  return blocks.size(1) / bytes * kBlock;
+  return blocks.size(1) / bytes * block_weights(kind);
 }
 
 const float* optional_bias(const c10::optional<at::Tensor>& bias, int64_t out, const char* name) {
