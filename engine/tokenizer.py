@@ -34,7 +34,7 @@ class Tokenizer:
         stop_ids = [i for i in stop_ids if i is not None and i != self._hf.unk_token_id]  # absent from the vocab
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(
             _eos_token_ids(self._hf.eos_token_id, model_path) + tuple(stop_ids)))
-        self.adds_bos = bool(getattr(self._hf, "add_bos_token", False)) and self._hf.bos_token_id is not None
+        self.adds_bos = _adds_bos(self._hf)
 
     @property
     def vocab_size(self) -> int:
@@ -81,6 +81,14 @@ class Tokenizer:
         except TemplateError as e:
             raise ValueError(f"cannot render the chat template of {self.model_path!r}: {e}") from e
         return self.encode(text)
+
+
+def _adds_bos(hf_tokenizer) -> bool:
+    """Whether the tokenizer puts a BOS before a text it encodes with its special tokens (its post-processor
+    says so; transformers 5 no longer reads ``add_bos_token`` back from a GGUF's tokenizer)."""
+    bos = hf_tokenizer.bos_token_id
+    with_special, plain = (hf_tokenizer.encode("a", add_special_tokens=flag) for flag in (True, False))
+    return bos is not None and with_special[:1] == [bos] and plain[:1] != [bos]
 
 
 def _model_type(model_path: str) -> str | None:

@@ -98,12 +98,3 @@ def check_received(gen: KVCacheManager, request_id: str, group: str, P: int, W: 
     return problems
 
 
-def count_based_plan(src: list[int], dst: list[int], P: int, W: int | None, B: int):
-    """The defect, kept as a reference: keep the last n bound destination entries."""
-    first = 0 if W is None else max(0, (P + 1 - W) // B)
-    last = math.ceil(P / B)
-    n = last - first
-    src_pages = src[first:last]
-    dst_bound = [page for page in dst if page >= 0]
-    dst_pages = dst_bound[len(dst_bound) - n:] if n else []
-    return [(first + k, s, d) for k, (s, d) in enumerate(zip(src_pages, dst_pages))]
