@@ -19,6 +19,7 @@ import pytest
 from app.serve_app import build_app
 from engine.loader import load_config
 from engine.model_registry import GEMMA3_NAME, resolve_model_path
+from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client
 from tests.app.test_serve import settled_handoff_counters
 from tests.serving import serving
@@ -36,7 +37,7 @@ def notes(num: int, seed: int) -> str:
                     for i in range(num))
 
 
-PROMPTS = ["The capital of France is", notes(70, 3), notes(130, 5)]  # ~8, ~1,100, ~2,100 tokens
+PROMPTS = ["The capital of France is the city of", notes(70, 3), notes(130, 5)]  # ~8, ~1,100, ~2,100 tokens
 
 
 @pytest.fixture(scope="module")
@@ -84,5 +85,6 @@ def test_the_capital_of_france(clients):
 def test_chat_uses_gemmas_turns_and_stops_at_end_of_turn(clients):
     reply = clients["agg"].chat.completions.create(
         model=GEMMA3_NAME, messages=[{"role": "user", "content": "Say hello."}], max_tokens=48, temperature=0)
-    assert reply.usage.prompt_tokens == 11  # <bos><start_of_turn>user\nSay hello.<end_of_turn>\n<start_of_turn>model\n
+    rendered = "<bos><start_of_turn>user\nSay hello.<end_of_turn>\n<start_of_turn>model\n"  # Gemma's format
+    assert reply.usage.prompt_tokens == len(Tokenizer(resolve_model_path(GEMMA3_NAME)).encode(rendered))
     assert "<end_of_turn>" not in reply.choices[0].message.content
