@@ -46,6 +46,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.encode(text)  # no BOS
+
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t % 256 for t in token_ids).decode("utf-8", errors="replace")
 
