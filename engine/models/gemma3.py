@@ -139,10 +139,12 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     def _context(self, batch) -> GemmaContext:
         base = super()._context(batch)
         local = self.model.local_rotary_emb(batch.positions, self.model.embed_tokens.weight.dtype)
-        return GemmaContext(base.cos, base.sin, base.attention, base.kv_caches, rope=self._by_group(base, local))
+        rope = self._by_group((base.cos, base.sin), local)
+        return GemmaContext(base.cos, base.sin, base.attention, base.kv_caches, rope=rope)
 
-    def _by_group(self, full: tuple | ForwardContext, local: tuple) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        full = (full.cos, full.sin) if isinstance(full, ForwardContext) else full
+    def _by_group(self, full: tuple, local: tuple) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer group's (cos, sin): the full group rotates with the full layers' base, a sliding one
+        with the sliding layers'."""
         return {group: full if window is None else local for group, window in self.group_windows.items()}
 
     def rope_table(self, num_positions: int, device: torch.device | str) -> tuple[torch.Tensor, ...]:

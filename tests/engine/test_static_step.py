@@ -53,7 +53,7 @@ def slots_written(cache: PagedKV, steps) -> dict[str, set[tuple[int, int]]]:
             for g in cache.kv}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen2_sliding"])
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen2_sliding", "gemma3"])
 def test_static_step_matches_the_plan_step_and_transformers(arch):
     reference_model, ours, config = load_pair(arch)
     prompts = prompts_for(config.vocab_size)
@@ -147,7 +147,7 @@ def test_seeded_static_sampling_does_not_depend_on_drafts_or_batch(tiny_model, r
     assert len(set(map(tuple, got[0].values()))) == 3
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen2_sliding"])
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss", "qwen2_sliding", "gemma3"])
 def test_the_captured_step_reads_no_value_on_the_host(arch):
     """A CUDA graph's capture refuses any host sync (.item(), .tolist(), a data-dependent shape, a Python branch
     on a tensor), and the step's sampling may read back only once. Both run here on meta tensors, which have
