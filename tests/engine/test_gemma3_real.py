@@ -23,6 +23,7 @@ MODEL = "gemma3-270m"
 NEAR_TIE = 0.02
 NUM_TOKENS = 12
 WINDOW = 512
+B_ = 16  # tokens per block of the engines here
 
 
 def story(num_items: int) -> str:
@@ -87,3 +88,33 @@ def assert_same_or_near_tie(hf, prompt: list[int], got: list[int], want: list[in
         f"prompt of {len(prompt)} tokens: token {position} is {got[position]}, transformers' {want[position]} "
         f"(top-2 gap {gap:.4f}, not a near-tie)")
     print(f"prompt of {len(prompt)} tokens: near-tie at token {position} (gap {gap:.4f}); equal before it")
+
+
+def test_a_repeated_prefix_is_read_from_the_cache_by_the_window_rule(gemma, reference):
+    """A second prompt sharing ~1,900 tokens with the first computes only its tail: the hit is the shared
+    whole blocks; the sliding group's cached blocks below the window stay unbound (-1) in its table while
+    the full group binds every block; and the tokens equal transformers' on the second prompt."""
+    _, hf = reference
+    first = gemma.tokenizer.encode_prompt(story(170))
+    second = first[:1904] + gemma.tokenizer.encode(" Box 999 is purple and holds no apples at all.")
+    engine = make_engine(gemma, tokens_per_block=16, num_pages=512, max_num_batched_tokens=512)
+    run_to_completion(engine, [first], SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request("warm", second, SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True))
+    tokens, hit, tables = [], None, None
+    while engine.has_unfinished():
+        for update in engine.step():
+            tokens += update.new_token_ids
+            if hit is None and update.new_token_ids:
+                hit, tables = update.num_cached_tokens, {g: engine.manager.get_block_ordinals("warm", g)
+                                                         for g in ("sliding", "full")}
+    assert len(first) > 1904 + B_ and hit == 1904  # 119 whole blocks of 16, shared
+    num_prompt_blocks = -(-len(second) // B_)
+    stale = (len(second) + 1 - WINDOW) // B_  # the first query after the prompt reads no block below this
+    assert all(page == -1 for page in tables["sliding"][:stale])
+    assert all(page >= 0 for page in tables["sliding"][stale:num_prompt_blocks])
+    assert all(page >= 0 for page in tables["full"][:num_prompt_blocks])
+    with torch.inference_mode():
+        prompt = torch.tensor([second])
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NUM_TOKENS,
+                           min_new_tokens=NUM_TOKENS, do_sample=False)[0, len(second):].tolist()
+    assert_same_or_near_tie(hf, second, tokens, want)
