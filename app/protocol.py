@@ -45,7 +45,7 @@ from pydantic import (
 )
 
 from app.unimplemented import CHAT, COMMON, COMPLETION, Unimplemented, first_unimplemented
-from engine.params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, SamplingParams
+from engine.params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, REPETITION_PENALTY_RANGE, SamplingParams
 
 
 def _encodable(text: str) -> str:
@@ -83,7 +83,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
     UNIMPLEMENTED: ClassVar[dict[str, Unimplemented]] = COMMON
 
-    model: str | None = None
+    model: Text | None = None  # echoed in errors: a lone surrogate could not be encoded there
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -97,7 +97,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)  # vLLM extension
+    repetition_penalty: float = Field(default=1.0, ge=REPETITION_PENALTY_RANGE[0],
+                                      le=REPETITION_PENALTY_RANGE[1])  # vLLM extension
     logit_bias: dict[str, float] = Field(default_factory=dict)
     min_tokens: int = Field(default=0, ge=0)  # vLLM extension
 

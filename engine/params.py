@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon
 MAX_ABS_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
+# repetition_penalty's range: a logit divided by a penalty near 0 overflows to inf (and the row's
+# softmax to NaN); vLLM takes any positive value, transformers' users 1.0-1.5
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias
 
 
@@ -66,8 +69,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_ABS_PENALTY <= getattr(self, name) <= MAX_ABS_PENALTY:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
         bias = tuple(sorted((int(token_id), float(value)) for token_id, value in bias))
         object.__setattr__(self, "logit_bias", bias)

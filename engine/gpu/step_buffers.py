@@ -16,7 +16,8 @@ of ``input_ids``. Everywhere else ``sampled_from`` is -1.
 Per layer group: ``block_tables[row, i]`` = the page of ordinal ``i`` (-1 unbound; rows past the live
 requests all -1) and ``slots[t] = page * B + position % B`` (-1: write nothing). Every token field is a
 view of one int32 tensor, staged on the host (pinned on a GPU) and moved with one copy; floats
-(temperature, top_p) travel as their bit patterns, a 63-bit seed as two 31-bit halves.
+(temperature, top_p) travel as their bit patterns, a seed as two 31-bit halves (its low 62 bits: the
+host's counter draws reduce it alike, engine.gpu.sampling).
 
 The block tables are sized for the worst case (``max_num_seqs`` rows of ``max_model_len / B`` ordinals:
 64 x 8,192 at 131k positions), but a step touches only its live region: n rows, as wide as the longest

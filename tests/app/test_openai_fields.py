@@ -78,6 +78,7 @@ def test_the_sampling_fields_reach_the_params(client, backend):
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"repetition_penalty": 2.4e-246}}, "repetition_penalty"),  # logits / it overflowed to inf
     ({"extra_body": {"min_tokens": -1}}, "min_tokens"),
 ])
 def test_out_of_range_sampling_fields_are_400(client, kwargs, param):
@@ -139,3 +140,10 @@ def test_a_logit_bias_outside_the_vocabulary_is_a_400_naming_the_id(tiny_client,
         tiny_client.completions.create(model=TINY, prompt=[1, 2, 3], max_tokens=2,
                                        logit_bias={str(vocab_size + 5): -100})
     assert info.value.param == "logit_bias" and str(vocab_size + 5) in info.value.message
+
+
+def test_a_model_name_with_a_lone_surrogate_is_a_400_not_a_500(http):
+    """The name is echoed in the 404's message; a lone surrogate there could not be encoded (a fuzzed case)."""
+    raw = b'{"messages": [{"role": "user", "content": "hi"}], "model": "\xed\xa0\x80tiny", "max_tokens": 2}'
+    reply = http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"

@@ -186,7 +186,8 @@ def test_build_model_names_unsupported_architecture():
     config.architectures = ["FalconForCausalLM"]
     with pytest.raises(ValueError, match="FalconForCausalLM.*LlamaForCausalLM"):
         build_model(config)
-    assert set(MODEL_REGISTRY) == {"GptOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    assert set(MODEL_REGISTRY) == {"Gemma3ForCausalLM", "GptOssForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+                                   "Qwen2ForCausalLM"}
 
 
 def test_packed_weights_are_stored_for_the_one_row_gemv(pair, request):

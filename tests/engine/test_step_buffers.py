@@ -124,7 +124,8 @@ def staged_one_by_one(requests: list[StepRequest], width: int, max_tokens: int) 
             position = r.first_position + offset
             for name, value in (("input_ids", token_id), ("positions", position), ("table_rows", row),
                                 ("token_offsets", offset), ("counters", r.first_output + offset), ("top_k", r.top_k),
-                                ("temperature", r.temperature), ("top_p", r.top_p), ("seed", r.seed),
+                                ("temperature", r.temperature), ("top_p", r.top_p),
+                                ("seed", r.seed % 2**62),  # two 31-bit halves; the host's draws reduce alike
                                 ("sampled_from", r.sampled_from if offset == 0 else -1)):
                 want[name][token] = value
             for group in ("full", "sliding"):
