@@ -30,10 +30,10 @@ class SkipGroup:
 
 
 SKIP_BUDGET: tuple[SkipGroup, ...] = (
-    SkipGroup("cuda", r"needs a CUDA GPU", 23,
-              "tests/engine/test_cuda.py (16) and test_cuda_graphs.py (7), marked gpu: CI has no GPU; "
+    SkipGroup("cuda", r"needs a CUDA GPU", 27,
+              "tests/engine/test_cuda.py (18) and test_cuda_graphs.py (9), marked gpu: CI has no GPU; "
               "bench/gpu_check.sh runs them on one"),
-    SkipGroup("parity-layout", r"the mkl model: nothing packed", 5,
+    SkipGroup("parity-layout", r"the mkl model: nothing packed", 6,
               "tests/engine/test_model_parity.py: one per architecture's unpacked (mkl) model, which packs "
               "nothing by design; an onednn model with nothing packed fails instead"),
 )
