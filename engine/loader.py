@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -99,6 +100,61 @@ def _load_sharded(path: str) -> dict[str, torch.Tensor]:
     return state_dict
 
 
+class WeightFiles:
+    """The directory's safetensors tensors by name (``model.safetensors`` or the index's shards, as
+    ``load_state_dict`` reads them), each read from its file only when asked for: a loader that keeps some
+    weights in another form (engine.models.quantized) never holds those dense."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        path = _require_dir(path)
+        if os.path.isfile(os.path.join(path, SINGLE_FILE)):
+            file = os.path.join(path, SINGLE_FILE)
+            with self._open(safe_open, file) as f:
+                self._file_of = dict.fromkeys(f.keys(), file)
+        elif os.path.isfile(os.path.join(path, INDEX_FILE)):
+            self._file_of = {name: os.path.join(path, shard) for name, shard in
+                             _read_weight_map(os.path.join(path, INDEX_FILE)).items()}
+            missing = sorted({f for f in self._file_of.values() if not os.path.isfile(f)})
+            if missing:
+                raise ModelLoadError(f"{path!r}: the index lists shard files that are missing: {_few(missing)}")
+        else:
+            raise ModelLoadError(f"{path!r} has no safetensors weights: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+    @staticmethod
+    def _open(safe_open, file: str):
+        from safetensors import SafetensorError
+
+        try:
+            return safe_open(file, framework="pt", device="cpu")
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"cannot read {file!r}: {e}") from e
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with self._open(safe_open, self._file_of[name]) as f:
+                return f.get_tensor(name)
+        except SafetensorError as e:
+            raise ModelLoadError(f"cannot read {name!r} from {self._file_of[name]!r}: {e}") from e
+
+    def rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        """Rows ``rows`` of the 2-D tensor ``name``, read without the rest of it."""
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with self._open(safe_open, self._file_of[name]) as f:
+                part = f.get_slice(name)
+                return torch.cat([part[r:r + 1] for r in rows])
+        except SafetensorError as e:
+            raise ModelLoadError(f"cannot read {name!r} from {self._file_of[name]!r}: {e}") from e
+
+
 def check_architecture(hf_config, registry: Mapping[str, type]) -> str:
     """The config's one architecture name, if the registry has a model for it."""
     architectures = getattr(hf_config, "architectures", None) or []
@@ -136,8 +192,27 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     from engine.models.packed import pack_for_cpu
     from engine.models.quantized import quantize_gguf_weights
 
-    model = build_model(load_config(path), dtype=dtype, device=device)
-    load_weights(model, load_state_dict(path))
-    if gguf_path is not None:
-        quantize_gguf_weights(model, gguf_path, prefill_dtype)
+    if gguf_path is None:
+        model = build_model(load_config(path), dtype=dtype, device=device)
+        load_weights(model, load_state_dict(path))
+        return pack_for_cpu(fuse_projections(model.eval()))
+    # The weights the file keeps quantized are never dense in memory: the model is built without
+    # initialising its linears (their float32 pages are never touched), they are swapped for the file's
+    # blocks (checked against a few rows of the converted folder's), and only the rest is read.
+    with uninitialized_linears():
+        model = build_model(load_config(path), dtype=dtype, device=device)
+    files = WeightFiles(path)
+    swapped = set(quantize_gguf_weights(model, gguf_path, prefill_dtype, files.rows))
+    load_weights(model, {name: files.tensor(name) for name in files.names() if name not in swapped})
     return pack_for_cpu(fuse_projections(model.eval()))
+
+
+@contextmanager
+def uninitialized_linears():
+    """``nn.Linear`` and ``nn.Embedding`` built without initialising their weights (``torch.empty``'s)."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved

@@ -28,11 +28,12 @@ its own, and q/k/v or gate/up are fused into one weight only where their kinds a
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
+from engine.gguf_index import GGUFIndex, TensorEntry
 from engine.loader import ModelLoadError
 from engine.models.hugepages import huge_page_copy
 from engine.native import quant_linear_kernel, quant_matmul_kernel, quant_rows_kernel
@@ -50,6 +51,9 @@ PREFILL_TILE_WEIGHTS = 1 << 18
 # in bf16 (2 MiB): a 400-token SmolLM2 prefill took 212 ms against 255 at 1 << 18 (fewer, larger AMX GEMMs)
 PREFILL_TILE_WEIGHTS_BF16 = 1 << 20
 NUM_CHECKED_ROWS = 3  # rows of each tensor compared with the dequantized weights at load
+
+
+DenseRows = Callable[[str, list[int]], torch.Tensor]  # (weight name, row indices) -> float32 [len(rows), in]
 
 
 def kernels_available() -> bool:
@@ -142,51 +146,74 @@ def hf_row_order(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
     return blocks.reshape(num_heads, rows // num_heads // 2, 2, -1).swapaxes(1, 2).reshape(blocks.shape)
 
 
-def quantize_gguf_weights(model: nn.Module, gguf_path: str, prefill_dtype: torch.dtype = torch.float32) -> int:
+def quantize_gguf_weights(model: nn.Module, gguf_path: str, prefill_dtype: torch.dtype = torch.float32,
+                          dense_rows: DenseRows | None = None) -> list[str]:
     """Swap ``model``'s linears and embedding for quantized ones holding ``gguf_path``'s blocks, where the
-    file stores the weight in one of KIND_NAMES' formats; the number swapped. ``model`` holds the same weights
-    dequantized (loaded from engine.gguf's converted folder): a few rows of each are compared, so a file
-    that does not match the model fails here instead of generating garbage. ``prefill_dtype``: the dtype of
-    their many-row matmuls (``QuantizedWeight``)."""
+    file stores the weight in one of KIND_NAMES' formats; the swapped weights' names (``x.weight``).
+    ``prefill_dtype``: the dtype of their many-row matmuls (``QuantizedWeight``).
+
+    A few rows of each are compared with the same weights dequantized (engine.gguf's converted folder), so a
+    file that does not match the model fails here instead of generating garbage: ``dense_rows(name, rows)``
+    reads them (engine.loader.WeightFiles.rows, so that a dense weight is never held whole), or, without it,
+    ``model`` holds them (loaded before)."""
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path)
-    architecture = str(reader.fields["general.architecture"].contents())
+    try:
+        index = GGUFIndex(gguf_path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{gguf_path!r} is not a readable GGUF file: {e}") from e
+    architecture = str(index.fields.get("general.architecture"))
     config = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[architecture.upper()], config.num_hidden_layers)
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    num_swapped = 0
+    tensors = index.tensors
+    swapped = []
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if type(child) not in (nn.Linear, nn.Embedding):
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             tensor = tensors.get(names.get_name(f"{name}.weight", try_suffixes=(".weight",)) or "")
-            if tensor is None or int(tensor.tensor_type) not in BLOCK_BYTES:
+            if tensor is None or tensor.kind not in BLOCK_BYTES or len(tensor.shape) != 2:
                 continue
-            weight = _weight_of(tensor, name, architecture, config, prefill_dtype)
-            _check_matches(weight, child.weight, name, gguf_path)
-            swapped = QuantizedEmbedding(weight) if type(child) is nn.Embedding else QuantizedLinear(child, weight)
-            setattr(parent, child_name, swapped)
-            num_swapped += 1
-    logger.info("%s: %d weights kept quantized", gguf_path, num_swapped)
-    return num_swapped
+            weight = _weight_of(index, tensor, name, architecture, config, prefill_dtype)
+            rows = _checked_rows(child.weight.shape)
+            dense = (child.weight.detach().float().index_select(0, rows) if dense_rows is None
+                     else dense_rows(f"{name}.weight", rows.tolist()))
+            _check_matches(weight, child.weight.shape, rows, dense, name, gguf_path)
+            module = QuantizedEmbedding(weight) if type(child) is nn.Embedding else QuantizedLinear(child, weight)
+            setattr(parent, child_name, module)
+            swapped.append(f"{name}.weight")
+    logger.info("%s: %d weights kept quantized", gguf_path, len(swapped))
+    return swapped
 
 
-def _weight_of(tensor, name: str, architecture: str, config, prefill_dtype: torch.dtype) -> QuantizedWeight:
-    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # a copy: the file is mapped read-only
-    blocks = blocks.reshape(int(tensor.shape[-1]), -1)  # GGUF's shape is [in, out], a row per output
+def _weight_of(index: GGUFIndex, tensor: TensorEntry, name: str, architecture: str, config,
+               prefill_dtype: torch.dtype) -> QuantizedWeight:
+    row_length, num_rows = tensor.shape  # GGUF's shape is [in, out], a row per output
+    if row_length % BLOCK_WEIGHTS[tensor.kind]:
+        raise ModelLoadError(f"{index.path!r}: {tensor.name}'s rows of {row_length} are not whole "
+                             f"{KIND_NAMES[tensor.kind]} blocks")
+    row_bytes = row_length // BLOCK_WEIGHTS[tensor.kind] * BLOCK_BYTES[tensor.kind]
+    try:
+        data = index.read(tensor, num_rows * row_bytes)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    blocks = torch.from_numpy(data).reshape(num_rows, row_bytes)
     if architecture == "llama" and name.endswith((".q_proj", ".k_proj")):
         heads = config.num_attention_heads if name.endswith(".q_proj") else config.num_key_value_heads
         blocks = hf_row_order(blocks, heads)
-    return QuantizedWeight(huge_page_copy(blocks), int(tensor.tensor_type), prefill_dtype)
+    return QuantizedWeight(huge_page_copy(blocks), tensor.kind, prefill_dtype)
 
 
-def _check_matches(weight: QuantizedWeight, dense: torch.Tensor, name: str, path: str) -> None:
-    if weight.shape != dense.shape:
-        raise ModelLoadError(f"{path!r}: {name} is {tuple(weight.shape)} in the file, {tuple(dense.shape)} in the "
-                             "model")
-    rows = torch.linspace(0, dense.shape[0] - 1, NUM_CHECKED_ROWS).long().unique()
-    if not torch.equal(weight.rows(rows), dense.detach().float().index_select(0, rows)):
+def _checked_rows(shape: torch.Size) -> torch.Tensor:
+    return torch.linspace(0, shape[0] - 1, NUM_CHECKED_ROWS).long().unique()
+
+
+def _check_matches(weight: QuantizedWeight, shape: torch.Size, rows: torch.Tensor, dense: torch.Tensor, name: str,
+                   path: str) -> None:
+    """``weight`` has the model's ``shape``, and its ``rows`` dequantize to ``dense``, bit for bit."""
+    if weight.shape != shape:
+        raise ModelLoadError(f"{path!r}: {name} is {tuple(weight.shape)} in the file, {tuple(shape)} in the model")
+    if not torch.equal(weight.rows(rows), dense.float()):
         raise ModelLoadError(f"{path!r}: {name}'s {KIND_NAMES[weight.kind]} blocks do not dequantize to the "
                              "converted weights")

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from app.config import AppConfig
 from engine import EngineConfig, SamplingParams
 from engine import config as engine_config
-from engine.loader import load_config, load_model
+from engine.loader import WeightFiles, load_config, load_model
 from engine.model_registry import SMOLLM2_NAME, resolve_model_path
 from engine.models.quantized import BLOCK_BYTES, QuantizedEmbedding, QuantizedLinear, kernels_available
 from engine.worker_model import WorkerModel, quantized_source
@@ -84,6 +84,27 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_model(case):
         want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
                            do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(PROMPT):].tolist()
     assert greedy(ours, PagedKV.for_config(load_config(converted), 4), PROMPT, 12) == want
+
+
+@needs_kernels
+def test_a_quantized_weight_is_never_read_dense(case, monkeypatch):
+    """Loading keeps the file's blocks without reading those weights dense from the converted folder: a
+    few rows of each (the load-time check) and every other tensor whole, equal to the dense model's."""
+    path, converted, _, dense = case
+    reads, row_reads = [], {}
+    tensor, rows = WeightFiles.tensor, WeightFiles.rows
+    monkeypatch.setattr(WeightFiles, "tensor", lambda self, name: reads.append(name) or tensor(self, name))
+    monkeypatch.setattr(WeightFiles, "rows", lambda self, name, r: row_reads.setdefault(name, r) and rows(self, name, r))
+    ours = load_model(converted, gguf_path=path)
+    swapped = {f"{name}.weight" for name, m in ours.named_modules()
+               if isinstance(m, (QuantizedLinear, QuantizedEmbedding))}
+    fused = {f"{name}.weight" for name, m in ours.named_modules() if name.endswith(("qkv_proj", "gate_up_proj"))}
+    assert swapped and not swapped & set(reads)
+    assert set(row_reads) >= swapped - fused and all(len(r) <= 3 for r in row_reads.values())
+    assert set(reads) | set(row_reads) == set(WeightFiles(converted).names())
+    dense_state = dense.state_dict()
+    for name, value in ours.state_dict().items():  # norms and biases: read whole, as the dense model has them
+        assert torch.equal(value, dense_state[name]), name
 
 
 @needs_kernels
