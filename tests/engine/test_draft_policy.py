@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.draft_policy import DraftLengthPolicy, StepCost
+from engine.draft_policy import PROBE_EVERY, DraftLengthPolicy, StepCost
 
 
 def fitted(t0: float, t1: float) -> StepCost:
@@ -38,6 +38,49 @@ def test_unfitted_cost_uses_the_prior():
     for _ in range(10):
         cost.record(1, 0.01)  # one step size only: no slope to fit
     assert 0 < cost.token_cost_ratio() < 1
+
+
+def test_steps_costing_in_proportion_to_their_tokens_never_draft():
+    """Gemma 3 at c = 8: 8-row decode steps 98 ms, 32-row verifies 444 ms (every request drafting 3). The line
+    has no fixed cost, so a verify token costs what a decoded one does: no acceptance makes drafts pay. The
+    same engine at c = 1 (1 row 27 ms, 4 rows 45 ms) drafts 3 at that acceptance."""
+    policy = DraftLengthPolicy(3)
+    for _ in range(4):
+        policy.cost.record(8, 0.098, num_drafting=0)
+        policy.cost.record(32, 0.444, num_drafting=8)
+    token, drafting = policy.cost.ratios()
+    assert token >= 20 and drafting == 0.0
+    assert policy.draft_len(num_accepted=97, num_proposed=100) == 0
+    policy.cost = StepCost()
+    for _ in range(4):
+        policy.cost.record(1, 0.027, num_drafting=0)
+        policy.cost.record(4, 0.045, num_drafting=1)
+    assert policy.draft_len(num_accepted=97, num_proposed=100) == 3
+
+
+class Item:
+    """What record_step reads of a scheduled request."""
+
+    def __init__(self, num_drafts: int) -> None:
+        self.is_decode, self.draft_token_ids, self.num_query_tokens = True, [7] * num_drafts, 1 + num_drafts
+
+
+def test_when_every_step_drafts_alike_a_probe_step_drafts_nothing_and_the_fit_learns_its_cost():
+    """8 requests always drafting 3 (32-row steps only: no slope to fit, the prior says draft): every
+    PROBE_EVERY-th decode step drafts nothing; its 8-row time shows steps cost in proportion to their
+    tokens (Gemma 3's figures), and drafting stops."""
+    policy = DraftLengthPolicy(3)
+    probes = []
+    for step in range(1, 3 * PROBE_EVERY + 1):
+        k = policy.draft_len(num_accepted=97, num_proposed=100)
+        if policy.probing:
+            probes.append(step)
+        batch = [Item(k) for _ in range(8)]
+        policy.record_step(batch, 0.098 + 0.0144 * 8 * k)  # 98 ms for 8 rows, 14.4 ms a row more
+        if probes:
+            break
+    assert probes == [PROBE_EVERY + 1]  # the step after the PROBE_EVERY-th decode step
+    assert policy.draft_len(num_accepted=97, num_proposed=100) == 0 and not policy.probing
 
 
 def test_fit_separates_the_drafting_overhead():
