@@ -43,7 +43,7 @@ import psutil
 
 from bench.common import ainterleave, median, print_table, progress, write_json
 from bench.engine_alone import AloneStep, serving_pids
-from bench.peer_llamacpp import AGGREGATED
+from bench.peer_models import AGGREGATED
 from bench.serve.client import RequestResult, run_alternating, run_load
 from bench.serve.compare import INGRESSES, serving
 from bench.serve.stats import percentiles_ms, summarize
