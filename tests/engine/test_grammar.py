@@ -13,6 +13,7 @@ import re
 import pytest
 
 from engine import FinishReason, SamplingParams
+from engine.gpu import paged_attention
 from engine.grammar import GrammarError, GrammarSpec, new_bitmask
 from engine.grammar_compile import GrammarCompiler
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
@@ -138,7 +139,14 @@ def test_max_tokens_cuts_the_value_with_length(tiny_model):
     assert text(tiny_model, tokens(updates)) == '{"a"'
 
 
-def test_grammar_rows_leave_the_static_path_and_keep_their_masks(tiny_model):
+@pytest.fixture
+def torch_attention(monkeypatch):
+    """The static step's torch reference attention, also where the suite interprets Triton (as
+    tests/engine/test_overlap.py does): both runs of a comparison take the same path."""
+    monkeypatch.setattr(paged_attention, "_runs_triton", lambda *tensors: False)
+
+
+def test_grammar_rows_leave_the_static_path_and_keep_their_masks(tiny_model, torch_attention):
     """Beside a plain request on the static (device-sampler) path, a grammar request is sampled by the
     host with its mask: greedy, the tokens of the plan path for both; seeded (an engine with a static
     path draws counter-based noise, another stream than the plan path's generator), in the grammar."""
@@ -167,3 +175,27 @@ def test_disaggregated_equals_aggregated_under_a_grammar(tiny_model, draft_len):
         resumed = local(fallback, f"f{r}", prompt, params, (tokens(got)[:k], [None] * k))
         assert tokens(resumed) == aggregated[f"r{r}"]
     assert context.manager.num_free_pages() == context.manager.num_total_pages()
+
+
+def test_a_grammar_request_never_rides_an_overlapped_step(tiny_model, torch_attention):
+    """A plain request's steps are launched ahead (engine.overlap); a grammar request joining later drains
+    the pipeline (its mask needs the previous token on the host), and both keep the ordinary steps' tokens."""
+    params = [SamplingParams(max_tokens=24, ignore_eos=True), SamplingParams(**BASE, grammar=JSON)]
+
+    def drive(overlap):
+        engine = make_engine(tiny_model, tokens_per_block=B, max_model_len=160, max_num_seqs=4,
+                             use_static_buffers=True, async_scheduling=overlap)
+        out = {"r0": [], "r1": []}
+        engine.add_request("r0", PROMPTS[1], params[0])
+        for k in range(200):
+            if k == 6:
+                engine.add_request("r1", PROMPTS[0], params[1])
+            if k > 6 and not engine.has_unfinished():
+                break
+            for update in engine.step():
+                out[update.request_id] += update.new_token_ids
+        return out, engine
+
+    (plain, _), (overlapped, engine) = drive(False), drive(True)
+    assert overlapped == plain and engine.num_steps_launched_ahead > 0
+    assert set(json.loads(text(tiny_model, plain["r1"]))) == {"a", "b"}
