@@ -43,6 +43,10 @@ def sample_step(sampler: Sampler, scheduled: list[ScheduledRequest], output: Run
     ``output.on_device[i]`` says whose; the host samples the rest, as ``sample_batch``)."""
     if output.samples is None:
         return sample_batch(sampler, scheduled, output)
+    on_device = output.on_device or [True] * len(scheduled)
+    if any(d and item.request.grammar is not None for d, item in zip(on_device, scheduled)):
+        raise RuntimeError("a grammar request was sampled on the device, without its mask (engine.runner keeps "
+                           "grammar rows on the host)")
     if output.on_device is None:
         return output.samples.sampled
     host = sample_batch(sampler, scheduled,

@@ -25,7 +25,9 @@ Every use (a mask, a draft check) first syncs, so the matcher has accepted exact
 ``len(output_token_ids)`` tokens whatever happened in between: a generation worker's fresh matcher
 replays the context side's k handed-over outputs once, on its first mask; a resumed request (a failed
 transfer) or a preempted one replays what it has; an accepted draft is consumed when it becomes an
-output, a rejected one never is. No path accepts a token twice or skips one.
+output, a rejected one never is. No path accepts a token twice or skips one. An output the grammar
+does not allow cannot come from this engine (every token it samples was masked); one handed over that
+the grammar rejects raises GrammarError in the step, which fails the step's requests loudly.
 
 Drafts (engine.speculation): a proposal is cut at its first token the grammar does not allow
 (``num_valid``), and a verify step's row ``i`` is masked by the state after drafts ``d0..d(i-1)``

@@ -9,6 +9,7 @@ grammars here are finite (a bounded integer, an enum, a choice): every request e
 import json
 import random
 import re
+import threading
 
 import pytest
 
@@ -106,8 +107,12 @@ def test_what_does_not_compile_is_a_grammar_error(tiny_model, compiler):
         with pytest.raises(GrammarError, match="does not compile"):
             compiler.compile(bad)
     fresh = GrammarCompiler(tiny_model.tokenizer.hf_tokenizer, tiny_model.hf_config.vocab_size)
-    with pytest.raises(GrammarError, match="did not compile within 0 s"):
-        fresh.compile(JSON, deadline_s=0)  # the tokenizer's tables alone take longer
+    release = threading.Event()
+    compile_slowly = fresh._compile
+    fresh._compile = lambda spec: release.wait() and compile_slowly(spec)  # a compile that runs long
+    with pytest.raises(GrammarError, match="did not compile within 0.05 s"):
+        fresh.compile(JSON, deadline_s=0.05)
+    release.set()
     assert fresh.compile(JSON) is fresh.compile(JSON) and fresh.num_compiles == 1  # finished, then cached
     with pytest.raises(GrammarError, match="stop token"):
         fresh.matcher(JSON, [])
