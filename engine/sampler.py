@@ -65,8 +65,17 @@ def processed_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
             raise ValueError("penalties, logit_bias or min_tokens need each row's token history")
         scores = penalize(logits, penalty_rows(params, histories, logits.shape[-1], logits.device))
     if masks is not None:
-        scores = masks.apply(logits.to(torch.float32, copy=True).contiguous() if scores is logits else scores)
+        scores = masks.apply(_copied(logits) if scores is logits else scores)
     return scores
+
+
+def _copied(logits: torch.Tensor) -> torch.Tensor:
+    """A float32 copy to mask. On the CPU a plain memcpy (numpy's): torch's copy of a row this wide runs
+    on its OpenMP pool, whose threads then spin beside the next forward's native kernels (a step at c = 1
+    on 2 cores took 24 ms instead of 14 with a grammar; with this copy 14)."""
+    if logits.device.type != "cpu":
+        return logits.to(torch.float32, copy=True).contiguous()
+    return torch.from_numpy(logits.float().numpy().copy())
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
