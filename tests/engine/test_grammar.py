@@ -204,3 +204,15 @@ def test_a_grammar_request_never_rides_an_overlapped_step(tiny_model, torch_atte
     (plain, _), (overlapped, engine) = drive(False), drive(True)
     assert overlapped == plain and engine.num_steps_launched_ahead > 0
     assert set(json.loads(text(tiny_model, plain["r1"]))) == {"a", "b"}
+
+
+def test_the_grammar_ends_on_every_stop_id_of_the_request(tiny_model):
+    """EOS by default; with ignore_eos, the request's stop_token_ids (here <|pad|>, which no grammar names)."""
+    pad = tiny_model.tokenizer.hf_tokenizer.pad_token_id
+    for params, ends in ((SamplingParams(**BASE, grammar=CHOICE), tiny_model.tokenizer.eos_token_ids),
+                         (SamplingParams(**BASE, ignore_eos=True, stop_token_ids=(pad,), grammar=CHOICE), (pad,))):
+        got, _ = run(tiny_model, params)
+        for ids in got.values():
+            assert ids[-1] in ends and text(tiny_model, ids) in ("yes", "no", 'say "maybe"')
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(ignore_eos=True, grammar=CHOICE)
