@@ -139,8 +139,15 @@ class EngineLoop:
             raise RuntimeError(f"prefill of {request_id!r} failed: {why}")
         return last
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (if any) off the step thread, so the engine's add finds it cached
+        (engine.grammar_compile); GrammarError if it does not compile within the deadline."""
+        if params.grammar is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.grammar)
+
     async def _add(self, add: Callable, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams) -> asyncio.Queue[RequestUpdate]:
+        await self.compile_grammar(params)
         queue = self.watch(request_id)
         try:
             await self.call(add, request_id, prompt_token_ids, params)

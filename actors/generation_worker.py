@@ -103,6 +103,7 @@ class GenerationWorker(KVWorker):
                        params: SamplingParams) -> asyncio.Queue[RequestUpdate]:
         rid = handle.request_id
         async with self._handoff(handle) as handoff:
+            await self.loop.compile_grammar(params)  # a failure undoes the handoff: the context pages go back
             await self._transfer(handoff, handle, prompt_token_ids)  # reserve, claim, pull, release
             queue = self.loop.watch(rid)
             # its first updates (the context side's outputs) reach the queue before any step's
@@ -120,6 +121,7 @@ class GenerationWorker(KVWorker):
             self.peers.forget(agent)
         queue = self.loop.watch(rid)
         try:
+            await self.loop.compile_grammar(params)
             await self.loop.call(self.engine.resume, rid, prompt_token_ids, handle.output_token_ids, params,
                                  handle.output_logprobs)
         except BaseException:

@@ -22,7 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from app import routes_chat, routes_completions
 from app.backend import Backend, ServingTokenizer
 from app.errors import SERVER_ERROR, UnhandledErrorMiddleware, error_body, install_error_handlers
-from app.generation import ServingContext
+from app.generation import ServingContext, grammar_compiler_for
 from app.metrics import ServingMetrics
 from app.middleware import AdmissionMiddleware, ApiKeyMiddleware, RequestMetricsMiddleware
 
@@ -46,7 +46,8 @@ def build_api(
         raise ValueError("api_key must be non-empty (None turns the check off)")
     metrics = ServingMetrics()
     app = FastAPI(title="windserve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.serving = ServingContext(backend=backend, tokenizer=tokenizer, metrics=metrics)
+    app.state.serving = ServingContext(backend=backend, tokenizer=tokenizer, metrics=metrics,
+                                       grammars=grammar_compiler_for(tokenizer))
     for router in (_service_router(), routes_completions.router, routes_chat.router):
         app.include_router(router)
     install_error_handlers(app)

@@ -23,12 +23,21 @@ from app.backend import Backend, ServingTokenizer
 from app.errors import bad_request, model_not_found
 from app.metrics import ServingMetrics
 from app.protocol import SamplingFields, clamp_max_tokens
+from engine.grammar import GrammarError
+from engine.grammar_compile import GrammarCompiler
 from engine.outputs import RequestUpdate
 from engine.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CLEANUP_TIMEOUT_S = 10.0  # for backend.abort and closing its stream
+
+
+def grammar_compiler_for(tokenizer: ServingTokenizer) -> GrammarCompiler | None:
+    """The ingress's grammar checker, over the tokenizer's own vocabulary; None for a tokenizer without
+    a Hugging Face one underneath (the test fakes: their backends ignore grammars)."""
+    hf_tokenizer = getattr(tokenizer, "hf_tokenizer", None)
+    return GrammarCompiler(hf_tokenizer, tokenizer.vocab_size) if hf_tokenizer is not None else None
 
 
 @dataclass
@@ -38,6 +47,7 @@ class ServingContext:
     backend: Backend
     tokenizer: ServingTokenizer
     metrics: ServingMetrics
+    grammars: GrammarCompiler | None = None  # None: the tokenizer has no vocabulary to compile against (fakes)
     created: int = field(default_factory=lambda: int(time.time()))
     # Abort tasks outlive the (possibly cancelled) request task; hold them until done.
     pending_aborts: set[asyncio.Task] = field(default_factory=set)
@@ -69,9 +79,19 @@ class ServingContext:
         try:
             params = request.to_sampling_params(max_tokens)
         except ValueError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), param=getattr(exc, "param", None)) from exc
         self._check_logit_bias(params)
         return params
+
+    async def check_grammar(self, request: SamplingFields, params: SamplingParams) -> None:
+        """A grammar that does not compile within the deadline is a 400 naming its field, before
+        anything is queued (compiled on a thread of its own, cached: engine.grammar_compile)."""
+        if params.grammar is None or self.grammars is None:
+            return
+        try:
+            await asyncio.to_thread(self.grammars.compile, params.grammar)
+        except GrammarError as exc:
+            raise bad_request(str(exc), param=request.requested_grammar()[0]) from exc
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         """A bias on a token the model does not have would be dropped: a 400 naming it instead."""

@@ -7,9 +7,10 @@ ignored (docs/openai_fields.md lists each field and its handling):
   ``seed``, ``stop``, ``presence_penalty``, ``frequency_penalty``,
   ``logit_bias``, ``logprobs`` ...) and vLLM's (``top_k``,
   ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``);
+- honoured: structured outputs (``response_format`` json_object / json_schema,
+  vLLM's ``structured_outputs`` and ``guided_*``: app.structured);
 - a 400 naming the field (``ParamError``, from app.unimplemented's tables)
-  when it asks for what windserve lacks: ``response_format`` other than
-  text, ``tools`` / ``tool_choice``, structured and guided outputs,
+  when it asks for what windserve lacks: ``tools`` / ``tool_choice``,
   ``n > 1``, ``best_of``, ``echo``, ``suffix``, ``audio`` ..., and non-text
   content parts;
 - ignored: fields that cannot change the tokens (``user``, ``metadata``,
@@ -31,7 +32,7 @@ clamped request reports ``finish_reason="length"`` like any other.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -44,7 +45,9 @@ from pydantic import (
     model_validator,
 )
 
+from app.structured import GUIDED_FIELDS, ResponseFormat, StructuredOutputs, requested_grammar
 from app.unimplemented import CHAT, COMMON, COMPLETION, Unimplemented, first_unimplemented
+from engine.grammar import GrammarSpec
 from engine.params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, REPETITION_PENALTY_RANGE, SamplingParams
 
 
@@ -101,6 +104,12 @@ class SamplingFields(BaseModel):
                                       le=REPETITION_PENALTY_RANGE[1])  # vLLM extension
     logit_bias: dict[str, float] = Field(default_factory=dict)
     min_tokens: int = Field(default=0, ge=0)  # vLLM extension
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM extension, as are the guided_* fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -154,9 +163,19 @@ class SamplingFields(BaseModel):
     def requested_logprobs(self) -> int | None:
         return None
 
+    def requested_grammar(self) -> tuple[str, GrammarSpec] | None:
+        """(field, spec) of the structured output asked for (app.structured); ParamError naming a bad one."""
+        fields = {"response_format": self.response_format, "structured_outputs": self.structured_outputs}
+        fields |= {name: getattr(self, name) for name in GUIDED_FIELDS}
+        try:
+            return requested_grammar(fields)
+        except ValueError as exc:
+            raise ParamError(getattr(exc, "param", "response_format"), str(exc)) from None
+
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """``max_tokens`` is the already-clamped budget (see module docstring)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        grammar = self.requested_grammar()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -172,6 +191,7 @@ class SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(key): value for key, value in self.logit_bias.items()},
             min_tokens=self.min_tokens,
+            grammar=grammar[1] if grammar else None,
         )
 
 

@@ -93,6 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     ctx.check_model(body.model)
     prompt_token_ids = await _prompt_token_ids(ctx, body)
     params = ctx.sampling_params(body, len(prompt_token_ids), param="messages")
+    await ctx.check_grammar(body, params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = GenerationRun(ctx, request_id, prompt_token_ids, params)
     formatter = ChatFormatter(ctx, request_id, with_logprobs=body.logprobs)

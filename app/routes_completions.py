@@ -100,6 +100,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     ctx.check_model(body.model)
     prompt_token_ids = await _prompt_token_ids(ctx, body)
     params = ctx.sampling_params(body, len(prompt_token_ids), param="prompt")
+    await ctx.check_grammar(body, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     run = GenerationRun(ctx, request_id, prompt_token_ids, params)
     formatter = CompletionFormatter(ctx, request_id, with_logprobs=body.logprobs is not None)

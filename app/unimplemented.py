@@ -27,24 +27,13 @@ def _equals(*neutral: object) -> Callable[[object], bool]:
     return lambda value: any(value == n and type(value) is type(n) for n in neutral)
 
 
-def _is_text_format(value: object) -> bool:
-    return isinstance(value, dict) and value.get("type") == "text"
-
-
-_STRUCTURED = "structured outputs (JSON schema, regex, choice, grammar) are not supported"
-
 # Both endpoints (OpenAI's shared fields and vLLM's extensions).
 COMMON: dict[str, Unimplemented] = {
     "best_of": Unimplemented(_equals(1), "only best_of=1 is supported"),
     "echo": Unimplemented(_equals(False), "echo is not supported"),
     "min_p": Unimplemented(_equals(0, 0.0), "min_p is not supported"),
     "use_beam_search": Unimplemented(_equals(False), "beam search is not supported"),
-    "structured_outputs": Unimplemented(_never, _STRUCTURED),
-    "guided_json": Unimplemented(_never, _STRUCTURED),
-    "guided_regex": Unimplemented(_never, _STRUCTURED),
-    "guided_choice": Unimplemented(_never, _STRUCTURED),
-    "guided_grammar": Unimplemented(_never, _STRUCTURED),
-    "response_format": Unimplemented(_is_text_format, "only response_format {\"type\": \"text\"} is supported"),
+    "guided_whitespace_pattern": Unimplemented(_never, "guided_whitespace_pattern is not supported (JSON is compact)"),
     "bad_words": Unimplemented(_equals([]), "bad_words is not supported"),
     "allowed_token_ids": Unimplemented(_never, "allowed_token_ids is not supported"),
     "logits_processors": Unimplemented(_equals([]), "custom logits processors are not supported"),

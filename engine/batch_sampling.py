@@ -4,6 +4,9 @@ Draws depend on (seed, output index) only: ``seed_for_output`` reseeds a
 request's generator before each draw, so the same seeded request gives the
 same tokens whichever worker samples which token, and after a preemption.
 
+A grammar row (``Request.grammar``) is masked after its processors (engine.grammar), its matcher synced
+to its outputs first; the static path never samples one (engine.runner keeps grammar rows on the host).
+
 A request resumed with outputs given (``Request.given_outputs``: the
 generation side's fallback, a local prefill of a prompt whose first k outputs
 the context side already sampled and sent) still draws at each of those steps,
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.grammar import masks_for
 from engine.outputs import TokenLogprob
 from engine.penalties import any_processors, history_of
 from engine.request import Request
@@ -39,6 +43,10 @@ def sample_step(sampler: Sampler, scheduled: list[ScheduledRequest], output: Run
     ``output.on_device[i]`` says whose; the host samples the rest, as ``sample_batch``)."""
     if output.samples is None:
         return sample_batch(sampler, scheduled, output)
+    on_device = output.on_device or [True] * len(scheduled)
+    if any(d and item.request.grammar is not None for d, item in zip(on_device, scheduled)):
+        raise RuntimeError("a grammar request was sampled on the device, without its mask (engine.runner keeps "
+                           "grammar rows on the host)")
     if output.on_device is None:
         return output.samples.sampled
     host = sample_batch(sampler, scheduled,
@@ -64,8 +72,9 @@ def sample_batch(sampler: Sampler, scheduled: list[ScheduledRequest], output: Ru
         logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
     params = [r.params for r in requests]
     histories = [history_of(r) for r in requests] if any_processors(params) else None
+    masks = masks_for([r.grammar for r in requests], [r.output_token_ids for r in requests], logits.shape[-1])
     result = sampler.sample(logits, params, [r.generator for r in requests],
-                            [(r.seed, r.num_output_tokens) for r in requests], histories)
+                            [(r.seed, r.num_output_tokens) for r in requests], histories, masks)
     for j, (i, request) in enumerate(zip(picked, requests)):
         token_ids[i], logprobs[i] = request.given_or_sampled(result.token_ids[j], result.logprobs[j])
     return SampleResult(token_ids, logprobs)

@@ -32,6 +32,7 @@ import torch
 
 from engine.batch_sampling import sample_step
 from engine.config import EngineConfig, max_model_len
+from engine.grammar_compile import GrammarCompiler
 from engine.handoff import is_handoff_due, prefill_result
 from engine.host_memory import keep_freed_memory
 from engine.layout import kv_cache_spec
@@ -69,6 +70,8 @@ class LLMEngine(ReceivingEntries):
         self.manager = KVCacheManager(spec, config.num_pages, device=self.model.device,
                                       enable_prefix_caching=config.enable_prefix_caching, eviction=config.eviction)
         self.hash_extra = kv_fingerprint(spec, config.model)
+        vocab_size = getattr(self.model.hf_config, "vocab_size", None) or self.tokenizer.vocab_size  # logits' width
+        self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, vocab_size)
         self.sampler = Sampler()
         self.speculation = Speculation(config, is_drafting=role != "context", sampler=self.sampler)
         self.draft_len = self.speculation.draft_len
@@ -134,6 +137,9 @@ class LLMEngine(ReceivingEntries):
         request = Request(request_id, list(prompt_token_ids), params, next(self._arrivals), generator,
                           prefill_only, seed, self.tokenizer.eos_token_ids)
         request.block_hashes = self._prompt_hashes(request.prompt_token_ids)
+        if params.grammar is not None:  # compiled already by the engine loop (a cache hit), else here
+            stop_ids = params.stop_token_ids + (() if params.ignore_eos else request.eos_token_ids)
+            request.grammar = self.grammars.matcher(params.grammar, stop_ids)
         decoder = IncrementalDecoder(self.tokenizer, prompt_ids=prompt_token_ids)
         self._requests[request_id] = request
         self._stoppers[request_id] = StopChecker(request, decoder, self.tokenizer.eos_token_ids, self.max_model_len)

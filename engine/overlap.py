@@ -16,7 +16,8 @@ while a launched, uncollected step may read or write it** (``InFlight.frees``). 
 release is computed from), so only whole-request frees wait.
 
 A step is overlapped when every request in it is a plain decode (one token, no drafts, not replaying
-given outputs, not prefill-only, no logits processors: engine.penalties reads its tokens on the host) on
+given outputs, not prefill-only, no logits processors: engine.penalties reads its tokens on the host,
+no grammar: its matcher must accept the previous step's token before the next mask exists) on
 the static path; the next one is launched ahead only while the
 running requests are exactly the in-flight step's (nothing waiting, nothing added or aborted since), and
 only for those that do not end by length at n. Anything else collects the in-flight step and returns to
@@ -70,6 +71,7 @@ def may_overlap(scheduled: list[ScheduledRequest], scheduler: Scheduler) -> bool
         item.is_decode and item.reaches_end and not item.draft_token_ids
         and not item.request.prefill_only and not item.request.is_replaying
         and not item.request.params.has_processors  # its penalties read the token still on the device
+        and item.request.grammar is None  # its mask needs the previous token, still on the device
         for item in scheduled)
 
 

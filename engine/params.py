@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from engine.grammar import GrammarSpec
+
 MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon
 MAX_ABS_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties
 # repetition_penalty's range: a logit divided by a penalty near 0 overflows to inf (and the row's
@@ -29,6 +31,11 @@ class SamplingParams:
     output tokens; 1 = off), ``logit_bias`` (token id -> bias, a dict is kept
     as sorted pairs so the params stay hashable), ``min_tokens`` (EOS and stop
     token ids masked until that many tokens are out).
+
+    ``grammar``: structured outputs (engine.grammar), a token mask applied after the processors.
+    The grammar ends the output on EOS or a stop token id, so it needs one it may end on: not with
+    ``ignore_eos`` unless ``stop_token_ids`` are given, and not with ``min_tokens`` (which masks
+    them: a complete value could then be followed by nothing the grammar allows).
     """
 
     max_tokens: int = 16
@@ -45,6 +52,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -64,6 +72,10 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self._check_processors()
+        if self.grammar is not None and self.ignore_eos and not self.stop_token_ids:
+            raise ValueError("ignore_eos with structured outputs needs stop_token_ids to end the output on")
+        if self.grammar is not None and self.min_tokens:
+            raise ValueError("min_tokens is not supported with structured outputs")
 
     def _check_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

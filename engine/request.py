@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.grammar import Matcher
 from engine.outputs import FinishReason, TokenLogprob
 from engine.params import SamplingParams
 
@@ -40,6 +41,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     given_outputs: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)  # kept, not drawn (resume)
+    grammar: Matcher | None = None  # params.grammar's matcher, synced to output_token_ids on each use
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks (kvcache.hashing)

@@ -10,6 +10,10 @@ One-engine speculation (DESIGN.md): the scheduler asks :meth:`Speculation.propos
     kept:              d0 .. d(k-1), x          k = num_accepted; x: the next token (correction or bonus)
     computed after:    n + 1 + k                the rejected drafts' KV stays scratch, rewritten later
 
+A grammar request's drafts are cut at the first token its grammar does not allow, and each verify row
+is masked by the grammar's state after the drafts before it (engine.grammar); the matcher is rolled
+back to the outputs after both, so a rejected draft is never consumed.
+
 ``D`` (``draft_len``) and ``E`` (``num_extra_kv_tokens``) size every request's capacity
 (``get_kv_capacity_tokens``); both are fixed when the engine is built. A context engine never
 drafts: drafts are not its to hold.
@@ -46,20 +50,28 @@ class Speculation:
         self.num_drafts_accepted = 0
 
     def propose(self, request: Request, max_len: int) -> list[int]:
-        return self.drafter.propose(request.all_token_ids, max_len) if max_len > 0 else []
+        """Up to ``max_len`` drafts; a grammar request's are cut at the first its grammar does not allow."""
+        drafts = self.drafter.propose(request.all_token_ids, max_len) if max_len > 0 else []
+        if drafts and request.grammar is not None:
+            drafts = drafts[:request.grammar.num_valid(request.output_token_ids, drafts)]
+        return drafts
 
     def verify(self, item: ScheduledRequest, rows: torch.Tensor,
                result: VerifyResult | None) -> tuple[list[int], list[TokenLogprob | None]]:
         """The verified drafts plus one token (``result``: verified on the device already); the
         accepted drafts count as computed."""
         request = item.request
+        if result is not None and request.grammar is not None:
+            raise RuntimeError("a grammar request was verified on the device, without its masks")
         if result is None:
             has_processors = request.params.has_processors
+            masks = request.grammar.verify_masks(request.output_token_ids, item.draft_token_ids, rows.shape[-1]) \
+                if request.grammar is not None else None
             result = self.sampler.verify(rows, item.draft_token_ids, request.params, request.generator,
                                          reseed=lambda row: seed_for_output(request, ahead=row),
                                          key=(request.seed, request.num_output_tokens),
                                          histories=verify_histories(request, item.draft_token_ids)
-                                         if has_processors else None)
+                                         if has_processors else None, masks=masks)
         request.num_drafts_proposed += len(item.draft_token_ids)
         request.num_drafts_accepted += result.num_accepted
         if self.policy is not None:

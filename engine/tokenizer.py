@@ -42,6 +42,11 @@ class Tokenizer:
         return len(self._hf)
 
     @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer itself (the grammar library reads its vocabulary)."""
+        return self._hf
+
+    @property
     def pad_token_id(self) -> int | None:
         return self._hf.pad_token_id
 

@@ -1,11 +1,13 @@
 """Issue 47 over HTTP, with the official openai client: the sampling fields reach SamplingParams,
 a field that would change the answer and is not implemented is a 400 naming it, a harmless one is
 ignored, and (on a live engine over windserve-tiny) a strong negative logit_bias on the greedy token
-changes the output while an id outside the vocabulary is a 400."""
+changes the output while an id outside the vocabulary is a 400; structured outputs reach the params
+as one grammar, are honoured by the engine, and one that does not compile is a 400 naming its field."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import openai
@@ -13,6 +15,7 @@ import pytest
 
 from app.api import build_api
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.grammar import GrammarSpec
 from tests.app.fakes import MODEL, FakeBackend, LiveServer
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
 
@@ -21,17 +24,14 @@ TINY = "windserve-tiny"
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"),
     ("functions", [{"name": "f", "parameters": {}}]),
     ("function_call", "auto"),
-    ("structured_outputs", {"json": {}}),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= \"a\""),
+    ("response_format", {"type": "xml"}),
+    ("structured_outputs", {"json": {}, "whitespace_pattern": " "}),  # a key of vLLM's not implemented
+    ("structured_outputs", {"regex": "a+", "choice": ["a"]}),  # two grammars
+    ("guided_whitespace_pattern", " *"),
     ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("n", 2),
@@ -46,7 +46,8 @@ def test_a_chat_field_that_would_change_the_answer_is_a_400_naming_it(client, fi
     assert info.value.status_code == 400 and info.value.param == field
 
 
-@pytest.mark.parametrize("field, value", [("suffix", "tail"), ("best_of", 3), ("guided_json", {}), ("n", 2)])
+@pytest.mark.parametrize("field, value", [("suffix", "tail"), ("best_of", 3), ("n", 2),
+                                         ("guided_whitespace_pattern", " *")])
 def test_a_completion_field_that_would_change_the_answer_is_a_400_naming_it(client, field, value):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", extra_body={field: value})
@@ -147,3 +148,47 @@ def test_a_model_name_with_a_lone_surrogate_is_a_400_not_a_500(http):
     raw = b'{"messages": [{"role": "user", "content": "hi"}], "model": "\xed\xa0\x80tiny", "max_tokens": 2}'
     reply = http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "model"
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"]}
+
+
+@pytest.mark.parametrize("extra, grammar", [
+    ({"response_format": {"type": "json_object"}}, GrammarSpec("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     GrammarSpec.json_schema(SCHEMA)),
+    ({"structured_outputs": {"json": SCHEMA}}, GrammarSpec.json_schema(SCHEMA)),
+    ({"structured_outputs": {"regex": "a+"}}, GrammarSpec("regex", "a+")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, GrammarSpec.choice(["a", "b"])),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, GrammarSpec("ebnf", 'root ::= "a"')),
+    ({"guided_json": SCHEMA}, GrammarSpec.json_schema(SCHEMA)),
+    ({"guided_choice": ["a", "b"]}, GrammarSpec.choice(["a", "b"])),
+    ({"response_format": {"type": "text"}, "guided_regex": "a+"}, GrammarSpec("regex", "a+")),
+], ids=["json_object", "json_schema", "so-json", "so-regex", "so-choice", "so-grammar", "guided_json",
+        "guided_choice", "text+guided_regex"])
+def test_structured_outputs_reach_the_params_as_one_grammar(client, backend, extra, grammar):
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, extra_body=extra)
+    assert backend.requests[reply.id][1].grammar == grammar
+
+
+def test_structured_outputs_on_a_live_engine(tiny_client, tiny_model):
+    """windserve-tiny (random weights) writes what the grammar allows, and ends itself: a bounded schema."""
+    reply = tiny_client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=40, temperature=0,
+                                                response_format={"type": "json_schema",
+                                                                 "json_schema": {"name": "n", "schema": SCHEMA}})
+    assert reply.choices[0].finish_reason == "stop" and 1 <= json.loads(reply.choices[0].message.content)["n"] <= 9
+    reply = tiny_client.completions.create(model=TINY, prompt="x", max_tokens=8, temperature=1.0, seed=3,
+                                           extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert reply.choices[0].text in ("left", "right") and reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such"}}}},
+     "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs"),
+])
+def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(tiny_client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        tiny_client.completions.create(model=TINY, prompt="x", max_tokens=2, extra_body=extra)
+    assert info.value.param == param and "compile" in info.value.message

