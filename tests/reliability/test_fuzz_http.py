@@ -236,7 +236,8 @@ def test_logprobs_of_the_first_token_cross_from_the_context_side(service: Servic
     """Found by the fuzzer: the disaggregated first token had no logprob, and a logprobs request was a 500."""
     with service.client() as http:
         chat = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 3, "logprobs": True,
-                                                       "top_logprobs": 2, "messages": [{"role": "system"}]})
+                                                       "top_logprobs": 2, "messages": [{"role": "system"}],
+                                                       "temperature": 0, "ignore_eos": True})  # 3 tokens, always
         completion = http.post("/v1/completions", json=completion_body("Hi", max_tokens=3, logprobs=2))
     assert chat.status_code == 200, chat.text
     content = chat.json()["choices"][0]["logprobs"]["content"]
