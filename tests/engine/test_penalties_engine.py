@@ -7,7 +7,7 @@ import pytest
 
 from engine import SamplingParams
 from tests.engine.engine_fixtures import make_engine, run_to_completion, tiny_model  # noqa: F401
-from tests.engine.test_first_token import local, tokens, transferred
+from tests.engine.test_first_token import assert_handoff_gives, tokens
 
 B = 8
 PROMPTS = [[10, 20, 30, 40] * 6, [(5 * i + 3) % 256 for i in range(19)], [7, 8, 9] * 5 + [1, 2]]
@@ -90,14 +90,4 @@ def test_disaggregated_equals_aggregated_with_processors(tiny_model, plain, draf
                             min_tokens=3, stop_token_ids=(banned,))
     aggregated, _ = run(tiny_model, params)
     assert aggregated["r0"][0] != banned
-    kwargs = dict(tokens_per_block=B, max_model_len=160, max_draft_len=draft_len)
-    context = make_engine(tiny_model, role="context", **kwargs)
-    generation = make_engine(tiny_model, role="generation", **kwargs)
-    fallback = make_engine(tiny_model, role="generation", **kwargs)
-    for r, prompt in enumerate(PROMPTS):
-        got = transferred(context, generation, f"t{r}", prompt, params)
-        assert tokens(got) == aggregated[f"r{r}"]
-        k = len(got[0].new_token_ids)
-        resumed = local(fallback, f"f{r}", prompt, params, (tokens(got)[:k], [None] * k))
-        assert tokens(resumed) == aggregated[f"r{r}"]
-    assert context.manager.num_free_pages() == context.manager.num_total_pages()
+    assert_handoff_gives(tiny_model, PROMPTS, params, aggregated, B, draft_len)
