@@ -56,6 +56,7 @@ def request_of(model: str, spec: RequestSpec, chat: bool) -> tuple[str, dict]:
     """(path, body): ``completions`` with the prompt, or ``chat/completions`` with it as one user message."""
     body = {"model": model, "max_tokens": spec.max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    body |= spec.extra_body or {}
     if chat:
         return "chat/completions", body | {"messages": [{"role": "user", "content": spec.prompt}]}
     return "completions", body | {"prompt": spec.prompt}

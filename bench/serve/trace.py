@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import random
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class RequestSpec:
     max_tokens: int
     is_long: bool = False
     turn: int = 0
+    extra_body: dict | None = field(default=None, compare=False)  # more request fields (bench.structured_http)
 
 
 def spread_lengths(rng: random.Random, length: int, spread: float, num: int) -> list[int]:
