@@ -16,6 +16,8 @@
 // A linear is quant_linear on GGUF blocks (kind 2, 3 or 8) or rows_linear on a float32 [out, in] weight
 // (kind 0). The Python side (engine.models.native_stack) builds a stack only where every layer's modules
 // would call exactly these, and runs it only for steps whose every group attends in place.
+#include <torch/extension.h>  // pybind11: only the two files that bind (the rest parse ATen alone, ~3x faster)
+
 #include "kernels.h"
 
 #include <vector>

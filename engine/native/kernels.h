@@ -1,7 +1,7 @@
 // The native kernels' entry points (bindings.cpp exposes them to Python as engine.native's module).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <functional>

@@ -32,7 +32,7 @@
 // dequantizer's order), so a dequantized weight equals the GGUF converter's float32 weight bit for bit.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstring>
 
