@@ -5,7 +5,7 @@ request's generator before each draw, so the same seeded request gives the
 same tokens whichever worker samples which token, and after a preemption.
 
 A grammar row (``Request.grammar``) is masked after its processors (engine.grammar), its matcher synced
-to its outputs first; the static path never samples one (engine.runner keeps grammar rows on the host).
+to its outputs first; the static path masks its own rows on the device (engine.gpu.static_runner).
 
 A request resumed with outputs given (``Request.given_outputs``: the
 generation side's fallback, a local prefill of a prompt whose first k outputs
@@ -43,10 +43,6 @@ def sample_step(sampler: Sampler, scheduled: list[ScheduledRequest], output: Run
     ``output.on_device[i]`` says whose; the host samples the rest, as ``sample_batch``)."""
     if output.samples is None:
         return sample_batch(sampler, scheduled, output)
-    on_device = output.on_device or [True] * len(scheduled)
-    if any(d and item.request.grammar is not None for d, item in zip(on_device, scheduled)):
-        raise RuntimeError("a grammar request was sampled on the device, without its mask (engine.runner keeps "
-                           "grammar rows on the host)")
     if output.on_device is None:
         return output.samples.sampled
     host = sample_batch(sampler, scheduled,

@@ -97,14 +97,13 @@ class ModelRunner:
         return int(graphs.stats.get("reserved_bytes", 0)) if graphs is not None else 0
 
     def _static_rows(self, scheduled: list[ScheduledRequest]) -> list[int]:
-        """The requests the static path runs: every one, or a mixed step's decodes, or none. Never a
-        grammar request: the device samples without its mask, so the host samples it (a mixed step)."""
+        """The requests the static path runs: every one, or a mixed step's decodes, or none. A grammar
+        request's rows go too: the static step masks them on the device (engine.gpu.static_runner)."""
         if self.static is None:
             return []
-        is_masked = [item.request.grammar is not None for item in scheduled]
-        if not any(is_masked) and self.static.can_run(scheduled):
+        if self.static.can_run(scheduled):
             return list(range(len(scheduled)))
-        decodes = [i for i, item in enumerate(scheduled) if item.is_decode and item.reaches_end and not is_masked[i]]
+        decodes = [i for i, item in enumerate(scheduled) if item.is_decode and item.reaches_end]
         return decodes if decodes and self.static.can_run([scheduled[i] for i in decodes]) else []
 
     def _run_split(self, scheduled: list[ScheduledRequest], on_static: list[int]) -> RunOutput:

@@ -58,11 +58,9 @@ class Speculation:
 
     def verify(self, item: ScheduledRequest, rows: torch.Tensor,
                result: VerifyResult | None) -> tuple[list[int], list[TokenLogprob | None]]:
-        """The verified drafts plus one token (``result``: verified on the device already); the
-        accepted drafts count as computed."""
+        """The verified drafts plus one token (``result``: verified on the device already, a grammar
+        request's rows masked there: engine.gpu.static_runner); the accepted drafts count as computed."""
         request = item.request
-        if result is not None and request.grammar is not None:
-            raise RuntimeError("a grammar request was verified on the device, without its masks")
         if result is None:
             has_processors = request.params.has_processors
             masks = request.grammar.verify_masks(request.output_token_ids, item.draft_token_ids, rows.shape[-1]) \

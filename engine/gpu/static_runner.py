@@ -2,7 +2,8 @@
 
     launch:  scheduled ──► StepRequest per request ──► StaticStepBuffers.fill + upload (one host->device copy)
                        ──► CudaGraphs.replay(size) or forward_static eagerly ──► logits [live tokens, V]
-                       ──► penalize (if asked), sample_tokens, accepted_drafts, logprobs
+                       ──► penalize (if asked), grammar masks (if asked), sample_tokens, accepted_drafts,
+                           logprobs
                        ──► one queued device->host copy
     collect: wait for that copy ──► StepSamples
 
@@ -24,6 +25,7 @@ from engine.gpu.graph_runner import CudaGraphs
 from engine.gpu.paged_attention import default_num_splits
 from engine.gpu.sampling import SamplingRows, accepted_drafts, penalize, sample_tokens, top_logprobs
 from engine.gpu.step_buffers import StaticStepBuffers, StepRequest, StepShape
+from engine.grammar import TokenMasks, new_bitmask
 from engine.models.decoder import StaticAttention
 from engine.outputs import TokenLogprob
 from engine.penalties import any_processors, penalty_rows, verify_histories
@@ -144,7 +146,8 @@ class StaticStepRunner:
         rows = SamplingRows(buffers.float_view("temperature", num_tokens), buffers.token_view("top_k", num_tokens),
                             buffers.float_view("top_p", num_tokens), *buffers.seeds(num_tokens),
                             buffers.token_view("counters", num_tokens))
-        ids = sample_tokens(_processed(logits, scheduled), rows, is_greedy=all(p.is_greedy for p in params),
+        scores = _masked(_processed(logits, scheduled), logits, scheduled)
+        ids = sample_tokens(scores, rows, is_greedy=all(p.is_greedy for p in params),
                             is_filtered=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params))
         buffers.keep_samples(ids)
         parts = [ids]
@@ -175,6 +178,28 @@ def _processed(logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> torch
     params = [item.request.params for item in scheduled for _ in range(item.num_query_tokens)]
     histories = [h for item in scheduled for h in verify_histories(item.request, item.draft_token_ids)]
     return penalize(logits, penalty_rows(params, histories, logits.shape[-1], logits.device))
+
+
+def _masked(scores: torch.Tensor, logits: torch.Tensor, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+    """``scores`` with each grammar request's disallowed tokens at -inf, outside the graph: a decode row's
+    mask after its outputs, a verify request's row i after its outputs and drafts[:i] (engine.grammar, as
+    the host path masks them; the drafts were cut at their first invalid token when proposed). The masks
+    are filled on the host, where the matchers are (a grammar request never rides an overlapped step, so
+    its outputs are all known), and applied on the device (xgrammar's kernel for the tensor's device).
+    ``logits`` are never written: they are the graph's output and what logprobs report."""
+    if all(item.request.grammar is None for item in scheduled):
+        return scores
+    vocab_size = scores.shape[-1]
+    bitmask, rows, row = new_bitmask(scores.shape[0], vocab_size), [], 0
+    for item in scheduled:
+        matcher, request = item.request.grammar, item.request
+        if matcher is not None:
+            masks = matcher.verify_masks(request.output_token_ids, item.draft_token_ids, vocab_size)
+            bitmask[row:row + len(masks.rows)] = masks.bitmask
+            rows += [row + i for i in masks.rows]
+        row += item.num_query_tokens
+    scores = scores.clone() if scores is logits else scores
+    return TokenMasks(bitmask, rows).apply(scores)
 
 
 def device_context(device: torch.device):

@@ -151,16 +151,26 @@ def torch_attention(monkeypatch):
     monkeypatch.setattr(paged_attention, "_runs_triton", lambda *tensors: False)
 
 
-def test_grammar_rows_leave_the_static_path_and_keep_their_masks(tiny_model, torch_attention):
-    """Beside a plain request on the static (device-sampler) path, a grammar request is sampled by the
-    host with its mask: greedy, the tokens of the plan path for both; seeded (an engine with a static
-    path draws counter-based noise, another stream than the plan path's generator), in the grammar."""
+@pytest.mark.parametrize("draft_len", [0, 3])
+def test_grammar_rows_take_the_static_path_with_their_masks(tiny_model, torch_attention, draft_len):
+    """Beside a plain request, grammar requests decode and verify on the static (device-sampler) path,
+    masked there: greedy, the plan path's tokens for all three; seeded (an engine with a static path
+    draws counter-based noise, another stream than the plan path's generator), in the grammar, and the
+    same tokens with drafts as without. Every decode row took the static path (counted)."""
     params = [SamplingParams(**BASE, grammar=JSON), SamplingParams(max_tokens=12, ignore_eos=True),
-              SamplingParams(**BASE, temperature=0.8, seed=1, grammar=REGEX)]
-    expected, _ = run(tiny_model, params)
-    got, engine = run(tiny_model, params, use_static_buffers=True)
-    assert (got["r0"], got["r1"]) == (expected["r0"], expected["r1"]) and engine.runner.static.num_steps > 0
-    assert re.fullmatch(r"[a-z]{2,5}@[a-z]{2,4}\.com", text(tiny_model, got["r2"]))
+              SamplingParams(**BASE, grammar=CHOICE), SamplingParams(**BASE, temperature=0.8, seed=1, grammar=REGEX)]
+    expected, _ = run(tiny_model, params[:3])
+    got, engine = run(tiny_model, params[:3], use_static_buffers=True, max_draft_len=draft_len)
+    assert got == expected
+    runner = engine.runner
+    assert runner.num_decode_rows > 0 and runner.num_static_decode_rows == runner.num_decode_rows
+    with_seed = [params[0], params[1], params[3]]
+    seeded, engine = run(tiny_model, with_seed, use_static_buffers=True, max_draft_len=draft_len)
+    assert engine.runner.num_static_decode_rows == engine.runner.num_decode_rows > 0
+    assert re.fullmatch(r"[a-z]{2,5}@[a-z]{2,4}\.com", text(tiny_model, seeded["r2"]))
+    if draft_len:
+        undrafted, _ = run(tiny_model, with_seed, use_static_buffers=True)
+        assert seeded == undrafted
 
 
 @pytest.mark.parametrize("draft_len", [0, 3])
