@@ -275,6 +275,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _tools_fit(self) -> ChatCompletionRequest:
         check_tool_fields(self.tools, self.tool_choice, self.messages)
+        self.requested_grammar()  # a forced tool_choice beside another grammar: a 400 before rendering
         return self
 
     @property

@@ -23,8 +23,9 @@ json_values = st.recursive(
 arguments = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
 calls = st.tuples(st.sampled_from(NAMES), arguments)
 # Text around calls: anything that does not write a tag itself (then it would be a call, or not one)
-texts = st.text(st.characters(codec="utf-8") | st.sampled_from(["<", "<tool", "</tool_call", "{", "\n", " "]),
-                max_size=20).filter(lambda t: OPEN_TAG not in t and CLOSE_TAG not in t)
+texts = st.lists(st.text(st.characters(codec="utf-8"), max_size=4)
+                 | st.sampled_from(["<", "<tool", "<tool_call", "</tool_call", "{", "\n", " "]),
+                 max_size=6).map("".join).filter(lambda t: OPEN_TAG not in t and CLOSE_TAG not in t)
 
 
 def written(pieces: list[str], calls_: list[tuple[str, dict]]) -> str:

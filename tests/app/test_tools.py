@@ -18,7 +18,7 @@ from app.protocol import ChatCompletionRequest
 from app.tool_prompt import template_messages
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
 from engine.tokenizer import Tokenizer
-from tests.app.fakes import MODEL, openai_client
+from tests.app.fakes import MODEL, FakeBackend, openai_client
 from tests.app.test_serve import settled_handoff_counters
 from tests.serving import disagg_and_aggregated
 
@@ -78,8 +78,11 @@ def test_bad_tool_fields_are_a_400_naming_the_param(client, fields, param):
     assert info.value.body["type"] == "invalid_request_error" and info.value.body["message"]
 
 
-def test_tools_reach_the_prompt_and_a_forced_choice_the_grammar(client, backend):
-    """The fake backend echoes no calls; what it received is the Hermes prompt and the tool grammar."""
+def test_tools_reach_the_prompt_and_a_forced_choice_the_grammar(make_server):
+    """The fake backend writes no calls; what it received is the Hermes prompt and the tool grammar."""
+    backend = FakeBackend()
+    backend.max_model_len = 4096  # the tools prompt is ~1,000 bytes, one token each
+    client = openai_client(make_server(backend).url)
     reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED, max_tokens=4)
     prompt, params = backend.requests[reply.id]
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in bytes(prompt).decode()
