@@ -5,13 +5,17 @@ not a call stays content; and the prompt a template without tools support gets."
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from app.protocol import ChatCompletionRequest
+from app.routes_chat import ChatFormatter
+from app.streaming import Collected
 from app.tool_parser import CLOSE_TAG, OPEN_TAG, ToolCall, ToolCallParser, format_call, gather, parse_tool_calls
 from app.tool_prompt import template_messages
+from app.tool_reply import ToolReplyFormatter
 from app.tools import tool_call_grammar
 
 NAMES = ("get_weather", "get_time", "search-web", "f")
@@ -140,3 +144,16 @@ def test_the_grammar_forces_format_calls_text():
     assert (tag_format["at_least_one"], tag_format["stop_after_first"]) == (True, True)
     assert tag["begin"] + '{"city": "Oslo"}' + tag["end"] == format_call("get_weather", {"city": "Oslo"})
     assert tag["content"]["json_schema"] == WEATHER["function"]["parameters"]
+
+
+def test_a_reply_gives_each_call_its_own_id_and_finish_reason_tool_calls():
+    """app.tool_reply over two written calls and text: unique ids, the arguments as sent, content between."""
+    chat = ChatFormatter(SimpleNamespace(backend=SimpleNamespace(model_name="m")), "chatcmpl-1", with_logprobs=False)
+    text = "Checking.\n" + format_call("f", {"a": 1}) + "\n" + format_call("f", {"a": 2})
+    reply = ToolReplyFormatter(chat, frozenset(NAMES)).response(Collected([text], finish_reason="stop"), {})
+    message, finish = reply["choices"][0]["message"], reply["choices"][0]["finish_reason"]
+    ids = [call["id"] for call in message["tool_calls"]]
+    assert len(set(ids)) == 2 and all(i.startswith("call_") for i in ids) and finish == "tool_calls"
+    assert [call["function"] for call in message["tool_calls"]] == [{"name": "f", "arguments": '{"a": 1}'},
+                                                                    {"name": "f", "arguments": '{"a": 2}'}]
+    assert message["content"] == "Checking."

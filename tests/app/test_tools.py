@@ -112,7 +112,7 @@ def clients(urls) -> dict[str, openai.OpenAI]:
 def test_forced_calls_validate_against_their_tools(clients, tool_choice, parallel):
     reply = clients["agg"].chat.completions.create(model=SMOLLM2_NAME, messages=ASK, tools=TOOLS,
                                                    tool_choice=tool_choice, parallel_tool_calls=parallel,
-                                                   temperature=0.9, seed=7, max_tokens=160)
+                                                   **GREEDY)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for name, arguments in calls_of(choice.message):
