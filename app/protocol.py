@@ -47,7 +47,7 @@ from pydantic import (
 )
 
 from app.structured import GUIDED_FIELDS, ResponseFormat, StructuredOutputs, requested_grammar
-from app.tools import AssistantToolCall, Tool, ToolChoice, check_message_fields, check_tool_fields, with_tool_grammar
+from app.tools import AssistantToolCall, Tool, ToolChoice, check_tool_fields, tool_template_fields, with_tool_grammar
 from app.unimplemented import CHAT, COMMON, COMPLETION, Unimplemented, first_unimplemented
 from engine.grammar import GrammarSpec
 from engine.params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, REPETITION_PENALTY_RANGE, SamplingParams
@@ -239,11 +239,6 @@ class ChatMessage(BaseModel):
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: Text | None = None
 
-    @model_validator(mode="after")
-    def _tool_fields_fit_the_role(self) -> ChatMessage:
-        check_message_fields(self.role, self.tool_call_id, self.tool_calls)
-        return self
-
     def to_template_dict(self) -> dict:
         """The message as a chat template reads it: content flattened to text."""
         if isinstance(self.content, list):
@@ -253,11 +248,7 @@ class ChatMessage(BaseModel):
         message = {"role": self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
-        if self.tool_calls:
-            message["tool_calls"] = [call.to_template_dict() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
+        return message | tool_template_fields(self.tool_calls, self.tool_call_id)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -279,8 +270,7 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     @property
-    def rendered_tools(self) -> list[Tool] | None:
-        """The tools the prompt lists: None without tools or with tool_choice "none" (app.tools)."""
+    def rendered_tools(self) -> list[Tool] | None:  # None without tools or with tool_choice "none" (app.tools)
         return self.tools if self.tools and self.tool_choice != "none" else None
 
     def requested_grammar(self) -> tuple[str, GrammarSpec] | None:

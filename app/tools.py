@@ -129,18 +129,22 @@ def check_tool_fields(tools: list[Tool] | None, tool_choice: ToolChoice | None, 
     _check_tool_messages(messages)
 
 
-def check_message_fields(role: str, tool_call_id: str | None, tool_calls: list | None) -> None:
-    if role == "tool" and tool_call_id is None:
-        raise ValueError("a tool message needs the tool_call_id of the call it answers")
-    if tool_calls and role != "assistant":
-        raise ValueError("only assistant messages carry tool_calls")
+def tool_template_fields(tool_calls: list[AssistantToolCall] | None, tool_call_id: str | None) -> dict:
+    """A message's ``tool_calls`` and ``tool_call_id`` as a chat template reads them (absent when unset)."""
+    fields = {"tool_calls": [call.to_template_dict() for call in tool_calls]} if tool_calls else {}
+    return fields | ({"tool_call_id": tool_call_id} if tool_call_id is not None else {})
 
 
 def _check_tool_messages(messages: list) -> None:
-    """Each ``tool`` message answers a call of an earlier assistant message (FieldError naming messages)."""
+    """Only assistants call; each ``tool`` message answers a call of an earlier assistant message."""
     call_ids: set[str] = set()
     for index, message in enumerate(messages):
+        if message.tool_calls and message.role != "assistant":
+            raise FieldError("messages", f"messages[{index}]: only assistant messages carry tool_calls")
         call_ids.update(call.id for call in message.tool_calls or ())
+        if message.role == "tool" and message.tool_call_id is None:
+            raise FieldError("messages", f"messages[{index}]: a tool message needs the tool_call_id of the call "
+                             "it answers")
         if message.role == "tool" and message.tool_call_id not in call_ids:
             raise FieldError("messages", f"messages[{index}]: tool_call_id {message.tool_call_id!r} answers no "
                              "tool call of an earlier assistant message")

@@ -38,7 +38,7 @@ CLOCK = {"type": "function", "function": {
                    "required": ["timezone"]}}}
 TOOLS = [WEATHER, CLOCK]
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
-ASK = [{"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 GREEDY = {"temperature": 0, "max_tokens": 96}
 
@@ -154,13 +154,14 @@ def test_a_named_call_is_the_same_disaggregated_and_aggregated(clients, urls):
 @needs_smollm2
 def test_max_tokens_cutting_a_call_leaves_it_in_content(clients):
     reply = clients["agg"].chat.completions.create(model=SMOLLM2_NAME, messages=ASK, tools=TOOLS,
-                                                   tool_choice="required", temperature=0, max_tokens=6)
+                                                   tool_choice="required", temperature=0, max_tokens=16)
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.content.startswith("<tool_call>\n{")
+    assert choice.message.content.startswith('<tool_call>\n{"name": "get_')
 
 
-CONVERSATION = ASK + [
+CONVERSATION = [
+    {"role": "user", "content": "What is the weather in Paris, and what time is it there?"},
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_a", "type": "function", "function": {"name": "get_weather",
                                                           "arguments": '{"city": "Paris", "unit": "celsius"}'}},
