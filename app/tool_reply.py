@@ -45,7 +45,12 @@ class ToolReplyFormatter:
         self.num_calls = 0  # streamed so far
 
     def stream_start(self) -> list[dict]:
-        return self.chat.stream_start()
+        """The role chunk with ``content: null`` (OpenAI's, when calls may follow): a reply of calls only
+        assembles to ``content`` None, as it is whole."""
+        chunks = self.chat.stream_start()
+        for choice in (choice for chunk in chunks for choice in chunk["choices"]):
+            choice["delta"]["content"] = None
+        return chunks
 
     def stream_usage(self, usage: dict) -> dict:
         return self.chat.stream_usage(usage)

