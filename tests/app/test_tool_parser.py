@@ -1,6 +1,7 @@
-"""app.tool_parser and app.tool_prompt without a server: Hermes calls written by format_call, with any
-text around them, parse back to the same calls and content, whole or fed in any split; a block that is
-not a call stays content; and the prompt a template without tools support gets."""
+"""app.tool_parser, app.tool_prompt and app.tool_reply without a server: Hermes calls written by
+format_call, with any text around them, parse back to the same calls and content, whole or fed in any
+split; a block that is not a call stays content; the prompt a template gets with and without tools
+support; the tool grammar's text is format_call's; a reply's calls get ids of their own."""
 
 from __future__ import annotations
 
