@@ -10,15 +10,19 @@ import importlib.util
 import json
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
+from app.api import build_api
 from app.protocol import ChatCompletionRequest
 from app.tool_prompt import template_messages
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
 from engine.tokenizer import Tokenizer
-from tests.app.fakes import MODEL, FakeBackend, openai_client
+from tests.app.fakes import MODEL, ByteTokenizer, FakeBackend, LiveServer, openai_client
 from tests.app.test_serve import settled_handoff_counters
 from tests.serving import disagg_and_aggregated
 
@@ -183,3 +187,52 @@ def test_a_conversation_with_tool_results_is_rendered_and_answered(clients):
         assert reply.usage.prompt_tokens == len(expected), mode
         choice = reply.choices[0]
         assert choice.finish_reason in ("stop", "length") and choice.message.content, mode
+
+
+# -- fuzzing the tool fields: never a 500, always OpenAI's error shape --------------------------------------
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=6),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                      max_size=3), max_leaves=8)
+schemas = st.just({"type": "object", "properties": {"a": {"type": "integer"}}}) | json_values
+functions = st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "bad name"]) | json_values},
+                                  optional={"parameters": schemas, "description": json_values})
+tool_lists = st.lists(st.fixed_dictionaries({"type": st.just("function") | json_values, "function": functions}),
+                      max_size=3) | json_values
+calls = st.lists(st.fixed_dictionaries({"id": st.sampled_from(["c1", "c2"]) | json_values, "type": st.just("function"),
+                                        "function": st.fixed_dictionaries({"name": st.just("f") | json_values,
+                                                                           "arguments": st.just("{}") | json_values})}),
+                 max_size=2) | json_values
+messages = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"])},
+    optional={"content": st.text(max_size=10) | st.none(), "tool_calls": calls,
+              "tool_call_id": st.sampled_from(["c1", "c3"]) | json_values}), min_size=1, max_size=4)
+choices = st.sampled_from(["none", "auto", "required", "any"]) | st.fixed_dictionaries(
+    {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g", "h"])})}
+) | json_values
+
+
+@pytest.fixture(scope="module")
+def roomy_http() -> Iterator[httpx.Client]:
+    backend = FakeBackend()
+    backend.max_model_len = 8192  # the tools prompt fits: the reply path runs too
+    live = LiveServer(build_api(backend, ByteTokenizer())).start()
+    with httpx.Client(base_url=live.url, timeout=10) as client:
+        yield client
+    live.stop()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({"model": st.just(MODEL), "messages": messages, "max_tokens": st.just(8)},
+                             optional={"tools": tool_lists, "tool_choice": choices,
+                                       "parallel_tool_calls": st.booleans() | json_values,
+                                       "stream": st.booleans()}))
+def test_fuzzed_tool_fields_never_500(roomy_http, body):
+    reply = roomy_http.post("/v1/chat/completions", json=body)
+    event(f"status {reply.status_code}")
+    assert reply.status_code in (200, 400), reply.text
+    if reply.status_code == 400:
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] and error["message"]
+    else:
+        assert "Internal server error" not in reply.text
