@@ -53,6 +53,7 @@ class ServingTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Prompt token ids of the messages; ValueError if there is no template."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Prompt token ids of the messages; ValueError if there is no template. ``tools`` is passed only
+        to a tokenizer whose ``chat_template_takes_tools`` is true (app.tool_prompt)."""
         ...

@@ -59,9 +59,11 @@ class ServingContext:
     async def encode(self, text: str) -> list[int]:
         return await run_in_threadpool(self.tokenizer.encode_prompt, text)
 
-    async def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    async def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """``tools`` only where the template takes them (app.tool_prompt)."""
+        args = (messages,) if tools is None else (messages, tools)
         try:
-            return await run_in_threadpool(self.tokenizer.apply_chat_template, messages)
+            return await run_in_threadpool(self.tokenizer.apply_chat_template, *args)
         except ValueError as exc:
             raise bad_request(f"Could not apply the chat template: {exc}", param="messages") from exc
 

@@ -9,10 +9,11 @@ ignored (docs/openai_fields.md lists each field and its handling):
   ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``);
 - honoured: structured outputs (``response_format`` json_object / json_schema,
   vLLM's ``structured_outputs`` and ``guided_*``: app.structured);
+- honoured: tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``,
+  ``tool`` messages and assistant ``tool_calls``: app.tools);
 - a 400 naming the field (``ParamError``, from app.unimplemented's tables)
-  when it asks for what windserve lacks: ``tools`` / ``tool_choice``,
-  ``n > 1``, ``best_of``, ``echo``, ``suffix``, ``audio`` ..., and non-text
-  content parts;
+  when it asks for what windserve lacks: ``functions``, ``n > 1``,
+  ``best_of``, ``echo``, ``suffix``, ``audio`` ..., and non-text content parts;
 - ignored: fields that cannot change the tokens (``user``, ``metadata``,
   ``store``, ``service_tier`` ...) and any unknown field. ``null`` means
   "the default", as clients that serialize every optional field expect.
@@ -46,6 +47,7 @@ from pydantic import (
 )
 
 from app.structured import GUIDED_FIELDS, ResponseFormat, StructuredOutputs, requested_grammar
+from app.tools import AssistantToolCall, Tool, ToolChoice, check_tool_fields, tool_template_fields, with_tool_grammar
 from app.unimplemented import CHAT, COMMON, COMPLETION, Unimplemented, first_unimplemented
 from engine.grammar import GrammarSpec
 from engine.params import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, REPETITION_PENALTY_RANGE, SamplingParams
@@ -234,6 +236,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: Text | None = None
 
     def to_template_dict(self) -> dict:
         """The message as a chat template reads it: content flattened to text."""
@@ -244,7 +248,7 @@ class ChatMessage(BaseModel):
         message = {"role": self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
-        return message
+        return message | tool_template_fields(self.tool_calls, self.tool_call_id)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -255,6 +259,23 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tools_fit(self) -> ChatCompletionRequest:
+        check_tool_fields(self.tools, self.tool_choice, self.messages)
+        self.requested_grammar()  # a forced tool_choice beside another grammar: a 400 before rendering
+        return self
+
+    @property
+    def rendered_tools(self) -> list[Tool] | None:  # None without tools or with tool_choice "none" (app.tools)
+        return self.tools if self.tools and self.tool_choice != "none" else None
+
+    def requested_grammar(self) -> tuple[str, GrammarSpec] | None:
+        return with_tool_grammar(super().requested_grammar(), self.rendered_tools, self.tool_choice,
+                                 self.parallel_tool_calls)
 
     @field_validator("top_logprobs")
     @classmethod

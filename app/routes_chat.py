@@ -11,6 +11,8 @@ from app.errors import bad_request
 from app.generation import GenerationRun, ServingContext
 from app.protocol import ChatCompletionRequest
 from app.streaming import Collected, finite_logprob, respond
+from app.tool_prompt import template_messages, tool_dicts
+from app.tool_reply import ToolReplyFormatter
 from engine.outputs import RequestUpdate, TokenLogprob
 
 router = APIRouter()
@@ -81,7 +83,10 @@ class ChatFormatter:
 
 
 async def _prompt_token_ids(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
-    prompt_token_ids = await ctx.apply_chat_template([m.to_template_dict() for m in body.messages])
+    takes_tools = getattr(ctx.tokenizer, "chat_template_takes_tools", False)
+    tools = body.rendered_tools
+    messages = template_messages(body.messages, tools, takes_tools)
+    prompt_token_ids = await ctx.apply_chat_template(messages, tool_dicts(tools) if tools and takes_tools else None)
     if not prompt_token_ids:
         raise bad_request("messages render to an empty prompt", param="messages")
     return list(prompt_token_ids)
@@ -97,4 +102,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = GenerationRun(ctx, request_id, prompt_token_ids, params)
     formatter = ChatFormatter(ctx, request_id, with_logprobs=body.logprobs)
+    if body.rendered_tools:  # tool_choice "none": neither rendered nor parsed
+        formatter = ToolReplyFormatter(formatter, frozenset(tool.function.name for tool in body.rendered_tools))
     return await respond(request, run, formatter, stream=body.stream, include_usage=body.include_usage)

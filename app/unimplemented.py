@@ -44,8 +44,6 @@ COMMON: dict[str, Unimplemented] = {
 }
 
 CHAT: dict[str, Unimplemented] = COMMON | {
-    "tools": Unimplemented(_equals([]), "tool calling is not supported"),
-    "tool_choice": Unimplemented(_equals("none"), "tool calling is not supported (only tool_choice \"none\")"),
     "functions": Unimplemented(_equals([]), "function calling is not supported"),
     "function_call": Unimplemented(_equals("none"), "function calling is not supported (only \"none\")"),
     "audio": Unimplemented(_never, "audio output is not supported"),

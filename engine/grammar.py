@@ -43,7 +43,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "ebnf")
+GRAMMAR_KINDS = ("json", "json_object", "regex", "choice", "ebnf", "structural_tag")
+
 
 class GrammarError(ValueError):
     """A grammar that cannot be used: it does not compile, its compile ran past the deadline, or an
@@ -55,8 +56,9 @@ class GrammarSpec:
     """A request's constraint, hashable (the compile cache's key; SamplingParams stay hashable).
 
     ``kind``: ``json`` (``source``: a JSON schema as JSON text), ``json_object`` (any JSON object),
-    ``regex``, ``choice`` (``source``: a JSON list of the allowed strings) or ``ebnf`` (xgrammar's
-    EBNF, llama.cpp's GBNF format, root rule ``root``).
+    ``regex``, ``choice`` (``source``: a JSON list of the allowed strings), ``ebnf`` (xgrammar's
+    EBNF, llama.cpp's GBNF format, root rule ``root``) or ``structural_tag`` (``source``: an xgrammar
+    structural tag as JSON text; app.tools builds one for tool calls).
     """
 
     kind: str
@@ -74,6 +76,8 @@ class GrammarSpec:
             choices = json.loads(self.source)
             if not choices or not all(isinstance(c, str) and c for c in choices):
                 raise ValueError("choice must be a non-empty list of non-empty strings")
+        if self.kind == "structural_tag" and not isinstance(json.loads(self.source), dict):
+            raise ValueError("a structural tag must be a JSON object")  # kept as sent: key order is property order
         if self.kind in ("regex", "ebnf") and not self.source:
             raise ValueError(f"a {self.kind} grammar must not be empty")
 

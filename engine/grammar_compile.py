@@ -90,6 +90,8 @@ class GrammarCompiler:
             return compiler.compile_regex(spec.source)
         if spec.kind == "choice":
             return compiler.compile_grammar(spec.as_ebnf_choice())
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(spec.source)
         return compiler.compile_grammar(spec.source)
 
     def _xgrammar_compiler(self):
@@ -104,4 +106,5 @@ class GrammarCompiler:
 
 def _name(spec: GrammarSpec) -> str:
     return {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
-            "choice": "choice", "ebnf": "grammar"}[spec.kind]
+            "choice": "choice", "ebnf": "grammar",
+            "structural_tag": "tool-call grammar"}[spec.kind]

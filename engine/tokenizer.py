@@ -54,6 +54,12 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the template renders a ``tools`` list itself (it reads the variable); else the HTTP
+        layer writes the tools into the messages (app.tool_prompt)."""
+        return bool(self.chat_template) and _reads_variable(self.chat_template, "tools")
+
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` as written: no BOS/EOS added; special-token text maps to special ids."""
         return self._hf.encode(text, add_special_tokens=False)
@@ -70,8 +76,9 @@ class Tokenizer:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Ids of the rendered conversation followed by the assistant's generation prompt.
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Ids of the rendered conversation followed by the assistant's generation prompt; ``tools``
+        (OpenAI's function tools) only for a template that takes them.
 
         Raises ``ValueError`` when the model has no chat template or the
         template rejects the messages (e.g. a role it does not know).
@@ -81,11 +88,21 @@ class Tokenizer:
         from jinja2 import TemplateError
 
         try:
-            text = self._hf.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                add_generation_prompt=True)
+            text = self._hf.apply_chat_template(messages, tools=tools, chat_template=self.chat_template,
+                                                tokenize=False, add_generation_prompt=True)
         except TemplateError as e:
             raise ValueError(f"cannot render the chat template of {self.model_path!r}: {e}") from e
         return self.encode(text)
+
+
+def _reads_variable(template: str, name: str) -> bool:
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return name in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateSyntaxError:  # a tag of transformers' own ({% generation %}): read the text
+        return name in template
 
 
 def _adds_bos(hf_tokenizer) -> bool:

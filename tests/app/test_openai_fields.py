@@ -24,8 +24,7 @@ TINY = "windserve-tiny"
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
+    ("tool_choice", "auto"),  # without tools; tools themselves are honoured (tests/app/test_tools.py)
     ("functions", [{"name": "f", "parameters": {}}]),
     ("function_call", "auto"),
     ("response_format", {"type": "xml"}),
