@@ -11,6 +11,7 @@ most START_ATTEMPTS times.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def serving(apps: dict[str, serve.Application]) -> Iterator[str]:
     """Serve each application under ``/<name>``; yields ``http://127.0.0.1:PORT``; shuts all down after."""
+    stop_shared()
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_CHECK_TIMEOUT_S))
     start_ray(address="local", num_cpus=2)  # a new instance, never a cluster someone else started
     try:
@@ -73,3 +75,26 @@ def start_serve_on_a_free_port() -> int:
                 raise
             progress(f"Serve did not start (attempt {attempt} of {START_ATTEMPTS}: {str(exc)[:80]}); retrying")
     raise AssertionError("unreachable")
+
+
+# One disagg_and_aggregated Serve kept for the next module that asks for the same engine (a module that
+# sets SHARES_SERVE = True): the SmolLM2 modules, named test_smollm2*.py so that they run one after another.
+# Starting it costs ~2.5 minutes of the 2-core box. Any other module stops it first (tests/conftest.py), and
+# so does the session's end: a module never meets a Ray it did not ask for.
+_shared: dict[str, tuple[contextlib.AbstractContextManager, dict[str, str]]] = {}
+
+
+def shared_disagg_and_aggregated(engine: dict, model: str) -> dict[str, str]:
+    """``disagg_and_aggregated(engine, model)``'s URLs, started on the first ask and kept for the next."""
+    key = json.dumps([engine, model], sort_keys=True)
+    if key not in _shared:
+        stop_shared()
+        served = disagg_and_aggregated(engine, model)
+        _shared[key] = (served, served.__enter__())
+    return _shared[key][1]
+
+
+def stop_shared() -> None:
+    while _shared:
+        _, (served, _) = _shared.popitem()
+        served.__exit__(None, None, None)

