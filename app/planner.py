@@ -112,7 +112,8 @@ def observe(p_metrics: Mapping, d_metrics: Mapping, warm_p: set, warm_d: set) ->
     over every replica and averaged (latencies) over warm ones."""
     rate = _total(p_metrics, keys.CTX_REQUESTS)
     prompt_tokens, computed = _total(p_metrics, keys.CTX_PROMPT_TOKENS), _total(p_metrics, keys.CTX_COMPUTED_TOKENS)
-    hit = 1 - computed / prompt_tokens if prompt_tokens and computed is not None else None
+    # clamped: Serve averages the two gauges over its look-back apart, so equal ones can differ in the last digit
+    hit = min(1.0, max(0.0, 1 - computed / prompt_tokens)) if prompt_tokens and computed is not None else None
     finished = {r: v for r, v in (d_metrics.get(keys.GEN_FINISHED) or {}).items() if _is_number(v)}
     lengths = d_metrics.get(keys.GEN_OUTPUT_LEN) or {}
     weighted = [(finished[r], float(v)) for r, v in lengths.items() if r in finished and _is_number(v)]

@@ -198,11 +198,11 @@ class PlannerCore:
         slow_d = _finite(obs.ingress_tpot_p90_s) and obs.ingress_tpot_p90_s > self.config.tpot_slo_s
         damped_p = self._damped("context", num_p, fleet.target_context, may_shrink=not slow_p)
         damped_d = self._damped("generation", num_d, fleet.target_generation, may_shrink=not slow_d)
-        reason = "sized" + "".join(f"; {role} not shrunk: {what} p90 over its SLO" for role, what, slow, num, now in
-                                   (("context", "TTFT", slow_p, num_p, fleet.target_context),
-                                    ("generation", "TPOT", slow_d, num_d, fleet.target_generation))
-                                   if slow and num < now)
+        reason = "sized"
         if damped_p + damped_d <= self.config.max_total_replicas:  # else the budget wins over the damping
+            reason += "".join(f"; {role} not shrunk: {what} p90 over its SLO" for role, what, slow, num, now in
+                              (("context", "TTFT", slow_p, num_p, fleet.target_context),
+                               ("generation", "TPOT", slow_d, num_d, fleet.target_generation)) if slow and num < now)
             num_p, num_d = damped_p, damped_d
         return self._logged(Decision(num_p, num_d, reason, need_p, need_d), obs)
 
