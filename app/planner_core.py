@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from app.planner_capacity import CapacityTable
+from app.planner_forecast import Smoother
 
 # A child of Serve's logger: in the controller, where the planner runs, Serve writes it to its own log
 # (controller_*.log) at INFO; a logger of our own would fall to the root's WARNING there.
@@ -135,29 +136,6 @@ class Decision(NamedTuple):
 
 def _finite(*values: float | None) -> bool:
     return all(v is not None and math.isfinite(v) and v >= 0 for v in values)
-
-
-class Smoother:
-    """Holt's linear exponential smoothing: a level and a trend, the forecast one interval ahead is
-    level + trend (never below 0). ``level`` is what a quiet interval falls back on.
-
-        level <- a * x + (1 - a) * (level + trend)        trend <- b * (level' - level) + (1 - b) * trend
-    """
-
-    def __init__(self, alpha: float, beta: float) -> None:
-        self.alpha, self.beta = alpha, beta
-        self.level: float | None = None
-        self.trend = 0.0
-
-    def update(self, value: float) -> float:
-        """Take this interval's value; the forecast of the next."""
-        if self.level is None:
-            self.level = value
-            return value
-        level = self.alpha * value + (1 - self.alpha) * (self.level + self.trend)
-        self.trend = self.beta * (level - self.level) + (1 - self.beta) * self.trend
-        self.level = level
-        return max(0.0, level + self.trend)
 
 
 class PlannerCore:
