@@ -25,6 +25,7 @@ from app.errors import SERVER_ERROR, UnhandledErrorMiddleware, error_body, insta
 from app.generation import ServingContext, grammar_compiler_for
 from app.metrics import ServingMetrics
 from app.middleware import AdmissionMiddleware, ApiKeyMiddleware, RequestMetricsMiddleware
+from app.planner_stats import IngressStats
 
 logger = logging.getLogger(__name__)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -33,18 +34,20 @@ KNOWN_PATHS = GENERATION_PATHS | {"/health", "/metrics", "/v1/models"}
 
 
 def build_api(
-    backend: Backend, tokenizer: ServingTokenizer, *, api_key: str | None = None, max_queue: int | None = None
+    backend: Backend, tokenizer: ServingTokenizer, *, api_key: str | None = None, max_queue: int | None = None,
+    slo_window: IngressStats | None = None,
 ) -> FastAPI:
     """A new app with its own metrics registry; see the module docstring.
 
     ``api_key``: required as ``Authorization: Bearer`` on every ``/v1`` route.
     ``max_queue``: at most this many generation requests in flight; more get 503.
+    ``slo_window``: gets every finished request's TTFT and TPOT (the P:D planner's ingress stats).
     """
     if max_queue is not None and max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if api_key is not None and not api_key:
         raise ValueError("api_key must be non-empty (None turns the check off)")
-    metrics = ServingMetrics()
+    metrics = ServingMetrics(slo_window)
     app = FastAPI(title="windserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = ServingContext(backend=backend, tokenizer=tokenizer, metrics=metrics,
                                        grammars=grammar_compiler_for(tokenizer))

@@ -62,7 +62,9 @@ class AppConfig(WorkerConfig):
     ``engine_in_ingress`` (aggregated only): the ingress replica runs the engine itself, so a
     token reaches the HTTP response with no Serve hop from a worker replica (app.local_backend);
     scale it with the ingress's ``num_replicas`` (Serve's proxy spreads requests over them, with
-    no KV-aware placement).
+    no KV-aware placement). ``ttft_slo_s`` / ``tpot_slo_s``: the latency targets a request is counted
+    against in the ingress's windowed stats for the P:D planner (app.planner_stats: requests that met
+    both); give them the planner's own values (configs/autoscale.yaml's policy_kwargs).
     """
 
     mode: Literal["disagg", "aggregated"] = "disagg"
@@ -76,6 +78,8 @@ class AppConfig(WorkerConfig):
     generation_eviction: str | None = None
     handle_transport: Literal["grpc", "ray"] = "grpc"
     engine_in_ingress: bool = False
+    ttft_slo_s: float = 1.0
+    tpot_slo_s: float = 0.05
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -92,6 +96,8 @@ class AppConfig(WorkerConfig):
         if self.max_queue is not None:
             check_at_least(self, ("max_queue",), 0)
         check_at_least(self, ("local_prefill_max_tokens",), 0)
+        if not (self.ttft_slo_s > 0 and self.tpot_slo_s > 0):
+            raise ValueError("ttft_slo_s and tpot_slo_s must be positive")
         for name in ROLE_PAGES.values():
             if getattr(self, name) is not None:
                 if self.mode != "disagg":

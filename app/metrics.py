@@ -39,6 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from app.planner_stats import IngressStats
+
 PREFIX = "windserve"
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -100,9 +102,11 @@ class WorkerStatsCollector(Collector):
 
 
 class ServingMetrics:
-    """Every metric one app exposes; see the module docstring."""
+    """Every metric one app exposes; see the module docstring. ``slo_window``, if given, also gets each
+    finished request's TTFT and TPOT: the windowed percentiles the P:D planner reads (app.planner_stats)."""
 
-    def __init__(self) -> None:
+    def __init__(self, slo_window: IngressStats | None = None) -> None:
+        self.slo_window = slo_window
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             f"{PREFIX}_http_requests", "HTTP requests by route and status",
@@ -134,6 +138,8 @@ class ServingMetrics:
     ) -> None:
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
+            if self.slo_window is not None:
+                self.slo_window.on_finished(ttft_s, tpot_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -13,6 +13,10 @@ never blocks: whatever goes wrong, it returns the targets Serve already has (a h
 
 Cold replicas: a replica's latency counts only after it has been running one adjustment
 interval (its first requests pay for warm-up); its rates count at once (they are demand).
+
+The ingress: where it has an autoscaling_config (configs/autoscale.yaml pins it at one replica),
+Serve hands us its gauges too: end-to-end TTFT / TPOT percentiles and SLO counts
+(app.planner_stats.IngressStats), read by ``observe_ingress``; its own count is held.
 """
 
 from __future__ import annotations
@@ -55,8 +59,13 @@ class PDPlanner:
         warm_p, warm_d = self._warm(p_ctx, now), self._warm(d_ctx, now)
         fleet = Fleet(int(p_ctx.current_num_replicas), int(d_ctx.current_num_replicas),
                       int(p_ctx.target_num_replicas), int(d_ctx.target_num_replicas))
-        decision = self.core.decide(now, observe(p_ctx.aggregated_metrics or {}, d_ctx.aggregated_metrics or {},
-                                                 warm_p, warm_d), fleet)
+        obs = observe(p_ctx.aggregated_metrics or {}, d_ctx.aggregated_metrics or {}, warm_p, warm_d)
+        ingress = by_name.get(self.config.ingress_deployment)
+        if ingress is not None:  # present where configs/autoscale.yaml pins the ingress with an autoscaling_config
+            obs = obs._replace(**observe_ingress(ingress[1].aggregated_metrics or {},
+                                                 warm_p >= set(p_ctx.running_replicas or ()),
+                                                 warm_d >= set(d_ctx.running_replicas or ())))
+        decision = self.core.decide(now, obs, fleet)
         decisions = _hold(contexts) | {p_id: decision.num_context, d_id: decision.num_generation}
         return decisions, {dep_id: {"planner_reason": decision.reason} for dep_id in decisions}
 
@@ -103,7 +112,8 @@ def observe(p_metrics: Mapping, d_metrics: Mapping, warm_p: set, warm_d: set) ->
     over every replica and averaged (latencies) over warm ones."""
     rate = _total(p_metrics, keys.CTX_REQUESTS)
     prompt_tokens, computed = _total(p_metrics, keys.CTX_PROMPT_TOKENS), _total(p_metrics, keys.CTX_COMPUTED_TOKENS)
-    hit = 1 - computed / prompt_tokens if prompt_tokens and computed is not None else None
+    # clamped: Serve averages the two gauges over its look-back apart, so equal ones can differ in the last digit
+    hit = min(1.0, max(0.0, 1 - computed / prompt_tokens)) if prompt_tokens and computed is not None else None
     finished = {r: v for r, v in (d_metrics.get(keys.GEN_FINISHED) or {}).items() if _is_number(v)}
     lengths = d_metrics.get(keys.GEN_OUTPUT_LEN) or {}
     weighted = [(finished[r], float(v)) for r, v in lengths.items() if r in finished and _is_number(v)]
@@ -112,4 +122,29 @@ def observe(p_metrics: Mapping, d_metrics: Mapping, warm_p: set, warm_d: set) ->
         request_rate=rate, prompt_len=_ratio(prompt_tokens, rate), prefix_hit_rate=hit, output_len=output,
         ttft_s=_mean(p_metrics, keys.CTX_PREFILL_S, warm_p), tpot_s=_mean(d_metrics, keys.GEN_TPOT_S, warm_d),
         decode_batch=_mean(d_metrics, keys.GEN_RUNNING, warm_d), backlog=_total(p_metrics, keys.CTX_WAITING),
-        decode_tokens_per_s=_total(d_metrics, keys.GEN_TOKENS))
+        decode_tokens_per_s=_total(d_metrics, keys.GEN_TOKENS), num_warm_context=len(warm_p),
+        num_warm_generation=len(warm_d))
+
+
+def _weighted(metrics: Mapping, key: str, weights: Mapping) -> float | None:
+    """``key`` over the ingress replicas, each weighted by the requests it finished (exact for one
+    replica; for several, a percentile so combined is an estimate of the fleet's)."""
+    pairs = [(weights[r], float(v)) for r, v in (metrics.get(key) or {}).items()
+             if _is_number(v) and r in weights and weights[r] > 0]
+    return _ratio(sum(w * v for w, v in pairs), sum(w for w, _ in pairs)) if pairs else None
+
+
+def observe_ingress(metrics: Mapping, is_context_warm: bool, is_generation_warm: bool) -> dict:
+    """The Observation fields the ingress's gauges give (app.planner_stats.IngressStats). A role's
+    latencies only while every one of its running replicas is warm: the ingress cannot tell which
+    replica served a request, and a cold one's first requests pay for its warm-up."""
+    weights = {r: float(v) for r, v in (metrics.get(keys.ING_FINISHED) or {}).items() if _is_number(v)}
+    finished, good = sum(weights.values()), _total(metrics, keys.ING_GOOD)
+    fields = {"slo_met_share": _ratio(good, finished)}
+    if is_context_warm:
+        fields |= {"ingress_ttft_s": _weighted(metrics, keys.ING_TTFT_MEAN, weights),
+                   "ingress_ttft_p90_s": _weighted(metrics, keys.ING_TTFT_P90, weights)}
+    if is_generation_warm:
+        fields |= {"ingress_tpot_s": _weighted(metrics, keys.ING_TPOT_MEAN, weights),
+                   "ingress_tpot_p90_s": _weighted(metrics, keys.ING_TPOT_P90, weights)}
+    return fields

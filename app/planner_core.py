@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from app.planner_capacity import CapacityTable
+from app.planner_forecast import Smoother
 
 # A child of Serve's logger: in the controller, where the planner runs, Serve writes it to its own log
 # (controller_*.log) at INFO; a logger of our own would fall to the root's WARNING there.
@@ -59,6 +60,7 @@ class PlannerConfig:
     capacity_path: str | None = None  # bench.profile's JSON; None: app.planner_capacity.synthetic_table
     context_deployment: str = "ContextWorker"
     generation_deployment: str = "GenerationWorker"
+    ingress_deployment: str = "Ingress"  # its end-to-end TTFT / TPOT, where it reports them (app.planner)
 
     def __post_init__(self) -> None:
         if self.adjustment_interval_s <= 0 or self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
@@ -102,6 +104,15 @@ class Observation(NamedTuple):
     decode_batch: float | None = None  # mean running streams per warm generation replica
     backlog: float | None = None  # requests waiting at the context replicas: worked off within an interval
     decode_tokens_per_s: float | None = None  # output tokens/s of all generation replicas
+    # the ingress's end-to-end latencies (app.planner_stats.IngressStats); None unless every running
+    # replica of the role is warm (a cold replica's requests would be in them)
+    ingress_ttft_s: float | None = None  # mean
+    ingress_tpot_s: float | None = None  # mean
+    ingress_ttft_p90_s: float | None = None
+    ingress_tpot_p90_s: float | None = None
+    slo_met_share: float | None = None  # of the requests that finished, those that met both SLOs
+    num_warm_context: int | None = None  # running replicas past their first interval: whose latency counts
+    num_warm_generation: int | None = None
 
 
 class Fleet(NamedTuple):
@@ -125,29 +136,6 @@ class Decision(NamedTuple):
 
 def _finite(*values: float | None) -> bool:
     return all(v is not None and math.isfinite(v) and v >= 0 for v in values)
-
-
-class Smoother:
-    """Holt's linear exponential smoothing: a level and a trend, the forecast one interval ahead is
-    level + trend (never below 0). ``level`` is what a quiet interval falls back on.
-
-        level <- a * x + (1 - a) * (level + trend)        trend <- b * (level' - level) + (1 - b) * trend
-    """
-
-    def __init__(self, alpha: float, beta: float) -> None:
-        self.alpha, self.beta = alpha, beta
-        self.level: float | None = None
-        self.trend = 0.0
-
-    def update(self, value: float) -> float:
-        """Take this interval's value; the forecast of the next."""
-        if self.level is None:
-            self.level = value
-            return value
-        level = self.alpha * value + (1 - self.alpha) * (self.level + self.trend)
-        self.trend = self.beta * (level - self.level) + (1 - self.beta) * self.trend
-        self.level = level
-        return max(0.0, level + self.trend)
 
 
 class PlannerCore:
@@ -183,11 +171,18 @@ class PlannerCore:
             # one replica off the ideal split but meeting both needs: moving it costs a replica's load time
             return self._logged(Decision(fleet.target_context, fleet.target_generation, "kept: meets both needs",
                                          need_p, need_d), obs)
-        damped_p = self._damped("context", num_p, fleet.target_context)
-        damped_d = self._damped("generation", num_d, fleet.target_generation)
+        # a role whose clients see its latency miss the SLO (the ingress's p90) is not shrunk
+        slow_p = _finite(obs.ingress_ttft_p90_s) and obs.ingress_ttft_p90_s > self.config.ttft_slo_s
+        slow_d = _finite(obs.ingress_tpot_p90_s) and obs.ingress_tpot_p90_s > self.config.tpot_slo_s
+        damped_p = self._damped("context", num_p, fleet.target_context, may_shrink=not slow_p)
+        damped_d = self._damped("generation", num_d, fleet.target_generation, may_shrink=not slow_d)
+        reason = "sized"
         if damped_p + damped_d <= self.config.max_total_replicas:  # else the budget wins over the damping
+            reason += "".join(f"; {role} not shrunk: {what} p90 over its SLO" for role, what, slow, num, now in
+                              (("context", "TTFT", slow_p, num_p, fleet.target_context),
+                               ("generation", "TPOT", slow_d, num_d, fleet.target_generation)) if slow and num < now)
             num_p, num_d = damped_p, damped_d
-        return self._logged(Decision(num_p, num_d, "sized", need_p, need_d), obs)
+        return self._logged(Decision(num_p, num_d, reason, need_p, need_d), obs)
 
     def _filled(self, obs: Observation) -> Observation:
         """Lengths missing from a quiet interval (nothing arrived or finished) taken from the forecast."""
@@ -227,17 +222,20 @@ class PlannerCore:
         return float(self.config.max_total_replicas)
 
     def _correct(self, obs: Observation, fleet: Fleet) -> None:
-        """Measured / expected latency, where both replicas' measurements are there."""
+        """Measured / expected latency, where both are there. Measured: the ingress's mean (what a client
+        sees: the proxy, routing and the KV handoff included) where it reports one, else the warm
+        replicas' own. Means, not percentiles: the model's expectation is a mean."""
         low, high = self.config.correction_bounds
-        if _finite(obs.ttft_s, obs.request_rate, obs.prompt_len, obs.prefix_hit_rate) and obs.ttft_s > 0:
+        ttft = obs.ingress_ttft_s if _finite(obs.ingress_ttft_s) else obs.ttft_s
+        tpot = obs.ingress_tpot_s if _finite(obs.ingress_tpot_s) else obs.tpot_s
+        if _finite(ttft, obs.request_rate, obs.prompt_len, obs.prefix_hit_rate) and ttft > 0:
             uncached = max(1.0, obs.prompt_len * (1 - min(obs.prefix_hit_rate, 1.0)))
             prefill_s, num = self.table.prefill_time(uncached), max(1, fleet.num_context)
             if obs.request_rate * prefill_s / num < CORRECTION_MAX_LOAD:  # near saturation the wait is too steep
-                self._blend("context", obs.ttft_s / self.config.expected_ttft(prefill_s, obs.request_rate, num),
-                            low, high)
-        if _finite(obs.tpot_s, obs.decode_batch, obs.prompt_len, obs.output_len) and obs.tpot_s > 0:
+                self._blend("context", ttft / self.config.expected_ttft(prefill_s, obs.request_rate, num), low, high)
+        if _finite(tpot, obs.decode_batch, obs.prompt_len, obs.output_len) and tpot > 0:
             expected = self.table.per_token_time(max(1.0, obs.decode_batch), obs.prompt_len + obs.output_len / 2)
-            self._blend("generation", obs.tpot_s / expected, low, high)
+            self._blend("generation", tpot / expected, low, high)
 
     def _blend(self, role: str, ratio: float, low: float, high: float) -> None:
         alpha = self.config.smoothing
@@ -265,11 +263,12 @@ class PlannerCore:
         return (total == self.config.max_total_replicas and fleet.target_context >= need_p + KEEP_MARGIN
                 and fleet.target_generation >= need_d + KEEP_MARGIN)
 
-    def _damped(self, role: str, wanted: int, current: int) -> int:
-        """Grow at once; shrink only after ``scale_down_intervals`` intervals in a row asked to."""
-        if wanted >= current:
+    def _damped(self, role: str, wanted: int, current: int, may_shrink: bool = True) -> int:
+        """Grow at once; shrink only after ``scale_down_intervals`` intervals in a row asked to (and
+        the ingress saw the role meet its SLO: ``may_shrink``)."""
+        if wanted >= current or not may_shrink:
             self.num_shrink_votes[role] = 0
-            return wanted
+            return max(wanted, current)
         self.num_shrink_votes[role] += 1
         if self.num_shrink_votes[role] >= self.config.scale_down_intervals:
             self.num_shrink_votes[role] = 0
@@ -277,11 +276,12 @@ class PlannerCore:
         return current
 
     def _logged(self, decision: Decision, obs: Observation) -> Decision:
+        """One line a decision; bench.planner_served parses it (``name=value`` pairs, then the counts)."""
         log.info("planner: rate=%s prompt=%s hit=%s output=%s ttft=%s tpot=%s batch=%s backlog=%s decoded=%s "
-                 "corr=%.2f/%.2f "
-                 "need=%.2f/%.2f -> P=%d D=%d (%s)", *(_fmt(v) for v in obs), self.correction["context"],
-                 self.correction["generation"], decision.need_context, decision.need_generation,
-                 decision.num_context, decision.num_generation, decision.reason)
+                 "ingress_ttft=%s ingress_tpot=%s ingress_ttft_p90=%s ingress_tpot_p90=%s slo_met=%s "
+                 "warm=%s/%s corr=%.2f/%.2f need=%.2f/%.2f -> P=%d D=%d (%s)", *(_fmt(v) for v in obs),
+                 self.correction["context"], self.correction["generation"], decision.need_context,
+                 decision.need_generation, decision.num_context, decision.num_generation, decision.reason)
         return decision
 
 

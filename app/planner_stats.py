@@ -9,10 +9,17 @@ see (a prefill's result and wall time, a stream's updates): the engine's step is
                         wall time (queue + compute), queued prefill tokens, waiting requests
     generation replica  output tokens/s, finished/s, mean output length, per-token time,
                         running streams, KV pages in use and in all
+    ingress replica     end-to-end TTFT and TPOT (p50, p90, mean) of the requests that finished
+                        in the window, finished/s, and of those the ones that met both SLOs /s
+
+The ingress reports too: it is a deployment with a pinned autoscaling_config (min = max = 1 in
+configs/autoscale.yaml), only so that Serve samples its ``record_autoscaling_stats`` and hands the
+numbers to the planner beside the workers'; the planner holds its replica count where it is.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -31,6 +38,10 @@ GEN_TPOT_S = "gen_tpot_s"
 GEN_RUNNING = "gen_num_running"
 GEN_PAGES_IN_USE = "gen_kv_pages_in_use"
 GEN_PAGES_TOTAL = "gen_kv_pages_total"
+ING_TTFT_P50, ING_TTFT_P90, ING_TTFT_MEAN = "ingress_ttft_p50_s", "ingress_ttft_p90_s", "ingress_ttft_mean_s"
+ING_TPOT_P50, ING_TPOT_P90, ING_TPOT_MEAN = "ingress_tpot_p50_s", "ingress_tpot_p90_s", "ingress_tpot_mean_s"
+ING_FINISHED = "ingress_finished_per_s"
+ING_GOOD = "ingress_slo_met_per_s"  # finished requests that met both the TTFT and the TPOT SLO
 
 
 class WindowedEvents:
@@ -110,4 +121,47 @@ class GenerationStats:
             stats[GEN_TPOT_S] = tokens["gap"] / tokens["timed_tokens"]
         if num_finished:
             stats[GEN_OUTPUT_LEN] = finished["output"] / num_finished
+        return stats
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, interpolated linearly between the two nearest
+    ranks (numpy's default method): rank ``(n - 1) * q / 100`` of the sorted values."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+class IngressStats:
+    """An ingress replica's finished requests: end-to-end TTFT and TPOT as the client sees them.
+
+    A request is recorded once it ends, if it produced a token (one that failed before its first
+    token has no latency to report). A one-token output has no TPOT: it meets the TPOT SLO, and
+    adds nothing to the TPOT percentiles."""
+
+    def __init__(self, ttft_slo_s: float, tpot_slo_s: float, window_s: float = WINDOW_S) -> None:
+        self.ttft_slo_s, self.tpot_slo_s, self.window_s = ttft_slo_s, tpot_slo_s, window_s
+        self._requests: deque[tuple[float, float, float | None]] = deque()  # (ended, ttft, tpot or None)
+
+    def on_finished(self, ttft_s: float, tpot_s: float | None, now: float | None = None) -> None:
+        self._requests.append((time.monotonic() if now is None else now, ttft_s, tpot_s))
+
+    def meets_slos(self, ttft_s: float, tpot_s: float | None) -> bool:
+        return ttft_s <= self.ttft_slo_s and (tpot_s is None or tpot_s <= self.tpot_slo_s)
+
+    def report(self, now: float | None = None) -> dict[str, float]:
+        now = time.monotonic() if now is None else now
+        while self._requests and self._requests[0][0] < now - self.window_s:
+            self._requests.popleft()
+        ttfts = [ttft for _, ttft, _ in self._requests]
+        tpots = [tpot for _, _, tpot in self._requests if tpot is not None]
+        good = sum(1 for _, ttft, tpot in self._requests if self.meets_slos(ttft, tpot))
+        stats = {ING_FINISHED: len(ttfts) / self.window_s, ING_GOOD: good / self.window_s}
+        for values, keys in ((ttfts, (ING_TTFT_P50, ING_TTFT_P90, ING_TTFT_MEAN)),
+                             (tpots, (ING_TPOT_P50, ING_TPOT_P90, ING_TPOT_MEAN))):
+            if values:  # nothing measured: missing keys, not zeros the planner would trust
+                stats |= {keys[0]: percentile(values, 50), keys[1]: percentile(values, 90),
+                          keys[2]: sum(values) / len(values)}
         return stats

@@ -23,6 +23,7 @@ from app.api import build_api
 from app.config import AppConfig
 from app.local_backend import LocalBackend
 from app.placement import PromptHasher
+from app.planner_stats import IngressStats
 from app.serve_backend import ServeBackend
 from app.serve_workers import (
     WORKER_OPTIONS,
@@ -74,6 +75,12 @@ class Ingress:
         self.backend = ServeBackend(model_name=config.served_model, max_model_len=max_model_len, board=board,
                                     hasher=PromptHasher(config, model_path),
                                     local_prefill_max_tokens=config.local_prefill_max_tokens, **self.workers)
+        self.slo_window = IngressStats(config.ttft_slo_s, config.tpot_slo_s)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """End-to-end TTFT / TPOT percentiles and SLO counts for the P:D planner (app.planner_stats);
+        Serve samples it only where the ingress has an autoscaling_config (configs/autoscale.yaml)."""
+        return self.slo_window.report()
 
     async def request_paths(self) -> dict[str, str]:
         """Each recent request's path through this ingress (app.serve_backend), for fault tests."""
@@ -84,7 +91,7 @@ class Ingress:
         return {role: "ray" if handle.handle_options._by_reference else "grpc" for role, handle in self.workers.items()}
 
     def __serve_build_asgi_app__(self):
-        return ingress_api(self.backend, self.tokenizer, self.config)
+        return ingress_api(self.backend, self.tokenizer, self.config, self.slo_window)
 
 
 # The engine's replica: Serve's health checks every second, as for the worker deployments (a dead engine
@@ -119,9 +126,9 @@ class EngineIngress(AggregatedReplica):
             await result
 
 
-def ingress_api(backend, tokenizer: Tokenizer, config: AppConfig) -> ASGIApp:
+def ingress_api(backend, tokenizer: Tokenizer, config: AppConfig, slo_window: IngressStats | None = None) -> ASGIApp:
     """app.api's FastAPI app as an ingress replica serves it."""
-    api = build_api(backend, tokenizer, api_key=config.api_key, max_queue=config.max_queue)
+    api = build_api(backend, tokenizer, api_key=config.api_key, max_queue=config.max_queue, slo_window=slo_window)
     api.add_middleware(ServeDisconnectMiddleware)
     return api
 

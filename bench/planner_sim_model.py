@@ -92,8 +92,11 @@ class GenerationReplica:
             return []
         context = float((self.prompt + self.output - self.left).mean())
         step_s = self.table.per_token_time(self.num_running, context)
-        gained = dt / step_s
-        self.stats.on_update(gained * self.num_running, dt * self.num_running, now=now + dt)
+        # a stream decodes from its first token on, not from the start of the step it was admitted in
+        # (with short outputs a whole step's head start was most of their decode)
+        decoding = np.clip(now + dt - np.maximum(self.first_s, now), 0.0, dt)
+        gained = decoding / step_s
+        self.stats.on_update(float(gained.sum()), float(decoding.sum()), now=now + dt)
         self.left = self.left - gained
         done = self.left <= 0
         if not done.any():

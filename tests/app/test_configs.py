@@ -178,7 +178,7 @@ def test_every_worker_and_engine_knob_is_reachable_from_the_args():
     app_fields = {f.name for f in dataclasses.fields(AppConfig)} - engine_fields - worker_fields
     assert app_fields == {"mode", "api_key", "max_queue", "served_model_name", "local_prefill_max_tokens",
                           "context_num_pages", "generation_num_pages", "context_eviction", "generation_eviction",
-                          "handle_transport", "engine_in_ingress"}
+                          "handle_transport", "engine_in_ingress", "ttft_slo_s", "tpot_slo_s"}
     assert {"claim_s", "transfer_timeout_s", "reserve_timeout_s", "torch_threads"} <= worker_fields
     assert {"drafter", "num_extra_kv_tokens", "seed"} <= engine_fields
     args = {"drafter": "none", "num_extra_kv_tokens": 3, "seed": 7, "claim_s": 9, "transfer_timeout_s": 11,

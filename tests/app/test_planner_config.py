@@ -35,10 +35,19 @@ def test_both_worker_deployments_are_autoscaled_without_serve_delays_within_the_
     app = application()
     budget = app.autoscaling_policy["policy_kwargs"]["max_total_replicas"]
     configs = {d.name: AutoscalingConfig(**d.autoscaling_config) for d in app.deployments}
-    assert set(configs) == {"ContextWorker", "GenerationWorker"}
-    for config in configs.values():
+    assert set(configs) == {"ContextWorker", "GenerationWorker", "Ingress"}
+    for name in ("ContextWorker", "GenerationWorker"):
+        config = configs[name]
         assert (config.upscale_delay_s, config.downscale_delay_s) == (0, 0)
         assert config.min_replicas == 1 and config.max_replicas == budget - 1
+    ingress = configs["Ingress"]  # only so that Serve samples its SLO stats: pinned at one replica
+    assert ingress.min_replicas == ingress.initial_replicas == ingress.max_replicas == 1
+
+
+def test_the_ingress_counts_requests_against_the_planners_slos():
+    app = application()
+    kwargs = app.autoscaling_policy["policy_kwargs"]
+    assert (app.args["ttft_slo_s"], app.args["tpot_slo_s"]) == (kwargs["ttft_slo_s"], kwargs["tpot_slo_s"])
 
 
 def test_the_worker_deployments_report_autoscaling_stats():

@@ -3,10 +3,15 @@ request to a scale-down, and the planner moves replicas to the side that needs t
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from app.planner_capacity import synthetic_table
 from bench.planner_policies import FixedPolicy, ServeDefaultRule
-from bench.planner_sim import PlannerPolicy, Simulation
-from bench.planner_traces import CODE, LONG_ANSWERS, poisson
+from bench.planner_sim import DT_S, PlannerPolicy, Simulation
+from bench.planner_sim_model import GenerationReplica
+from bench.planner_traces import CODE, LONG_ANSWERS, Request, poisson
 
 
 def run(policy, shape, rate: float, duration_s: float = 240.0):
@@ -32,3 +37,20 @@ def test_serve_default_rule_waits_out_its_delays():
     rule = ServeDefaultRule(target_ongoing=2.0, max_replicas=7, upscale_delay_s=30.0, downscale_delay_s=600.0)
     assert [rule.decide(t, 10.0, 1) for t in (0.0, 10.0, 20.0)] == [1, 1, 1]
     assert rule.decide(30.0, 10.0, 1) == 5
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(0.0, 0.199), st.integers(2, 200), st.integers(16, 4000))
+def test_a_stream_decodes_from_its_first_token_not_from_its_steps_start(first_offset_s, output_len, prompt_len):
+    """A simulated stream's TPOT is the table's step time whatever part of a 0.2 s step its first token
+    came in (it once decoded from the step's start: short outputs got up to half their true TPOT)."""
+    table = synthetic_table()
+    replica = GenerationReplica("g0", 0.0, table)
+    replica.admit(Request(0.0, prompt_len, 0, output_len), first_s=first_offset_s)
+    finished, now = [], 0.0
+    while not finished and now < 60.0:
+        finished = replica.step(now, DT_S)
+        now += DT_S
+    (done,) = finished
+    expected = table.per_token_time(1, prompt_len + output_len / 2)
+    assert done.tpot_s == pytest.approx(expected, rel=0.02)
