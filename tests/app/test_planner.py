@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from ray.serve.autoscaling_policy import _apply_app_level_autoscaling_config
 
@@ -45,10 +45,14 @@ def test_more_requests_never_get_fewer_replicas(rate_a, rate_b, prompt, hit, out
 @settings(max_examples=60, deadline=None)
 @given(st.floats(0.1, 50.0), prompts, prompts, hits, outputs)
 def test_longer_prompts_never_get_fewer_context_replicas_under_budget(rate, prompt_a, prompt_b, hit, output):
+    """While both needs fit the budget. Over it (a prompt no number of replicas serves within the TTFT SLO
+    needs the whole budget) the budget is shared by need, and a longer prompt's longer decode context may
+    take a larger share (found by hypothesis: P 60 -> 59 at budget 64)."""
     short, long = sorted((prompt_a, prompt_b))
-    config = PlannerConfig(adjustment_interval_s=INTERVAL, max_total_replicas=64)  # no sharing
-    assert (first_decision(Observation(rate, short, hit, output), config).num_context
-            <= first_decision(Observation(rate, long, hit, output), config).num_context)
+    config = PlannerConfig(adjustment_interval_s=INTERVAL, max_total_replicas=64)
+    decisions = [first_decision(Observation(rate, prompt, hit, output), config) for prompt in (short, long)]
+    assume(all(max(1, math.ceil(d.need_context)) + max(1, math.ceil(d.need_generation)) <= 64 for d in decisions))
+    assert decisions[0].num_context <= decisions[1].num_context
 
 
 @settings(max_examples=80, deadline=None)
