@@ -13,6 +13,11 @@ uint32 (wrapping = their ``& 0xFFFFFFFF``), divisions by ``tl.div_rn`` (Triton's
 an approximate ``div.full``) and no fused multiply-add (``enable_fp_fusion=False``), so the ids equal
 ``sample_tokens``' torch path on the same logits, bit for bit. Top-k / top-p rows arrive with their
 ``top_cut`` (value, id) pair, found by torch's sort beforehand; unfiltered rows need no pair.
+
+Few rows leave most of the GPU idle (one row of 151,936 tokens is one program), so a row's vocabulary
+may be split: program (row, split) walks its share of the blocks and writes its (max, lowest id); a
+second program per row takes the max of those and, among the splits holding it, the lowest id: the
+same token as one pass, ties included.
 """
 
 from __future__ import annotations
@@ -35,21 +40,45 @@ _INV_2_24 = tl.constexpr(1.0 / (1 << 24))
 BLOCK = 1024  # tokens a program holds at once (a 151,936 vocabulary: 149 blocks a row)
 
 
-def triton_sample_tokens(logits: torch.Tensor, rows: SamplingRows,
-                         cut: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def triton_sample_tokens(logits: torch.Tensor, rows: SamplingRows, cut: tuple[torch.Tensor, torch.Tensor] | None,
+                         num_splits: int | None = None) -> torch.Tensor:
     """engine.gpu.sampling.sample_tokens' ids [N] (int64) for logits [N, V] (any float dtype, last dim
-    contiguous); ``cut``: ``top_cut``'s per-row (value, id) for a step with top-k/top-p rows, else None."""
+    contiguous); ``cut``: ``top_cut``'s per-row (value, id) for a step with top-k/top-p rows, else None.
+    ``num_splits``: programs per row (None: ``default_num_splits``)."""
     num_rows, vocab_size = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    block = min(BLOCK, max(16, 1 << (vocab_size - 1).bit_length()))
+    num_blocks = -(-vocab_size // block)
+    if num_splits is None:
+        num_splits = default_num_splits(num_rows, num_blocks, logits.device)
+    blocks_per_split = -(-num_blocks // max(1, min(num_splits, num_blocks)))
+    num_splits = -(-num_blocks // blocks_per_split)  # no split without a block
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    part_max, part_id = out, out  # unwritten with one split
+    if num_splits > 1:
+        part_max = torch.empty(num_rows, num_splits, dtype=torch.float32, device=out.device)
+        part_id = torch.empty(num_rows, num_splits, dtype=torch.int32, device=out.device)
     cut_value, cut_id = cut if cut is not None else (rows.temperature, rows.counters)  # unread without a cut
-    jitted(_sample_body)[(num_rows,)](
+    jitted(_sample_body)[(num_rows, num_splits)](
         logits, logits.stride(0), rows.temperature, rows.seed_lo, rows.seed_hi, rows.counters,
-        cut_value.float().contiguous(), cut_id.int().contiguous(), out, vocab_size,
-        HAS_CUT=cut is not None, BLOCK=min(BLOCK, max(16, 1 << (vocab_size - 1).bit_length())),
-        enable_fp_fusion=False)
+        cut_value.float().contiguous(), cut_id.int().contiguous(), out, part_max, part_id, vocab_size,
+        blocks_per_split * block, HAS_CUT=cut is not None, NUM_SPLITS=num_splits, BLOCK=block, enable_fp_fusion=False)
+    if num_splits > 1:
+        jitted(_combine_body)[(num_rows,)](part_max, part_id, out, vocab_size, NUM_SPLITS=num_splits,
+                                           SPLITS_BLOCK=max(2, 1 << (num_splits - 1).bit_length()))
     return out
+
+
+def default_num_splits(num_rows: int, num_blocks: int, device: torch.device) -> int:
+    """Splits so that rows x splits fill the GPU about twice over (1 from 2 x SMs rows up), never fewer
+    than 4 blocks a split. A guess, like engine.gpu.paged_attention's: measure before trusting it."""
+    if device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(-(-2 * num_sms // max(1, num_rows)), num_blocks // 4, 64))
 
 
 def _mix_body(x):
@@ -90,8 +119,10 @@ _gumbel = jitted(_gumbel_body)
 
 
 def _sample_body(logits_ptr, row_stride, temperature_ptr, seed_lo_ptr, seed_hi_ptr, counters_ptr, cut_value_ptr,
-                 cut_id_ptr, out_ptr, vocab_size, HAS_CUT: tl.constexpr, BLOCK: tl.constexpr):
+                 cut_id_ptr, out_ptr, part_max_ptr, part_id_ptr, vocab_size, split_len, HAS_CUT: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
+    split = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
     is_sampled = temperature > 0
     divisor = tl.where(is_sampled, temperature, 1.0)
@@ -104,13 +135,15 @@ def _sample_body(logits_ptr, row_stride, temperature_ptr, seed_lo_ptr, seed_hi_p
     else:
         cut_value = float("-inf")
         cut_id = vocab_size
+    first = split * split_len
+    end = tl.minimum(first + split_len, vocab_size)
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_id = lanes
+    best_id = first + lanes
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
-    for start in range(0, vocab_size, BLOCK):
+    for start in range(first, end, BLOCK):
         ids = start + lanes
-        x = tl.load(row_ptr + ids, mask=ids < vocab_size, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + ids, mask=ids < end, other=float("-inf")).to(tl.float32)
         scaled = tl.div_rn(x, divisor)
         kept = (scaled > cut_value) | ((scaled == cut_value) & (ids <= cut_id))
         drawn = tl.where(kept, scaled + _gumbel(key, ids), float("-inf"))
@@ -120,4 +153,20 @@ def _sample_body(logits_ptr, row_stride, temperature_ptr, seed_lo_ptr, seed_hi_p
         best_id = tl.where(is_better, ids, best_id)
     top = tl.max(best, axis=0)
     token = tl.min(tl.where(best == top, best_id, vocab_size), axis=0)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + row, token.to(tl.int64))
+    else:
+        tl.store(part_max_ptr + row * NUM_SPLITS + split, top)
+        tl.store(part_id_ptr + row * NUM_SPLITS + split, token)
+
+
+def _combine_body(part_max_ptr, part_id_ptr, out_ptr, vocab_size, NUM_SPLITS: tl.constexpr,
+                  SPLITS_BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS_BLOCK)
+    mask = splits < NUM_SPLITS
+    top = tl.load(part_max_ptr + row * NUM_SPLITS + splits, mask=mask, other=float("-inf"))
+    ids = tl.load(part_id_ptr + row * NUM_SPLITS + splits, mask=mask, other=0)
+    best = tl.max(top, axis=0)
+    token = tl.min(tl.where(mask & (top == best), ids, vocab_size), axis=0)
     tl.store(out_ptr + row, token.to(tl.int64))
