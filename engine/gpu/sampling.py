@@ -11,8 +11,8 @@ trick (equivalent to sampling from ``softmax(logits / T)`` over the kept tokens)
 
 The arithmetic is one computation everywhere (this module's torch ops, engine.gpu.triton_sampling's
 one-pass kernel, the host's ``counter_draws``): IEEE float32 ``+ - * /`` each rounded once and bit
-fields, with ``log_f32`` (not torch.log, numpy's or CUDA's log, which differ in the last bit) for
-the logs, so every path draws the same token, bit for bit, not just in distribution.
+fields, with ``log_f32`` (not torch.log, numpy's or CUDA's log, which may differ in the last bit)
+for the logs, so every path draws the same token, bit for bit, not just in distribution.
 
 Greedy rows (temperature 0) take the argmax (ties: the lowest id). Verification is engine.sampler's
 ``match_sample`` on every row at once: token t's draw is compared with the draft that follows it in
@@ -94,7 +94,8 @@ def top_cut(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> t
     """engine.sampler's top-k then top-p cut with per-row tensors (``top_k`` 0 = all), as the last kept
     (value, id) of each row sorted by value, descending, ties by id: token v is kept when
     ``(scaled[v], -v) >= (value, -id)``. The kept tokens are the longest prefix of the sorted row that
-    passes the cut (a prefix, so one pair names it), the top token always."""
+    passes the cut (a prefix, so one pair names it; it differs from a token-by-token cut only where a
+    parallel cumsum's rounding is not monotone), the top token always."""
     vocab_size = scaled.shape[-1]
     top_k = torch.where(top_k > 0, top_k, vocab_size).long()
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)

@@ -2,7 +2,7 @@
 keeps a running argmax, so the logits are read once and nothing [N, V] is written::
 
     row n:   key = mix(seed_lo ^ mix(seed_hi ^ mix(counter)))              (once, in registers)
-    block:   u   = (mix(key ^ mix(v + GOLDEN)) >> 8) + 0.5) / 2**24       (v: the block's token ids)
+    block:   u   = ((mix(key ^ mix(v + GOLDEN)) >> 8) + 0.5) / 2**24, at most the float below 1
              score[v] = logits[v] / T + g(u)     if T > 0 and v passes the row's cut, -inf if it does not
              score[v] = logits[v]                if T == 0 (greedy)
              best[lane], best_id[lane] <- score, v  where score > best   (strict: the lower id keeps a tie)
