@@ -16,7 +16,9 @@
 #                 kept), pip install -e .[test] (no cpu extra); offline, the already-installed packages are used
 #   versions      nvidia-smi, python, torch + CUDA, ray, nixl, transformers
 #   triton        pytest tests/engine/gpu: engine.gpu's Triton kernels compiled, on CUDA tensors, against the
-#                 float64 softmax with NaN in every unread slot (on the CPU, CI runs them interpreted)
+#                 float64 softmax with NaN in every unread slot (on the CPU, CI runs them interpreted); then
+#                 python -m bench.sampling_gpu: the one-pass sampling kernel vs the torch sampler it replaced
+#                 at 256 x 151,936 and 64 x 49,152 (unfiltered, and top-p 0.9), ids checked equal
 #   gpu_tests     pytest -m gpu: tests/engine/test_cuda.py (models and engine vs transformers on cuda,
 #                 float32 and bf16; disaggregated == aggregated in bf16)
 #   greedy        our engine on cuda (drafts 0 and 3) vs transformers generate on cuda: same greedy tokens
@@ -328,6 +330,15 @@ for dtype in ("float32", "bfloat16"):
 EOF
 }
 
+triton_check() {  # the sampling timings run even where a test failed; the step fails if either did
+  local rc=0
+  "$PY" -m pytest -q -p no:cacheprovider tests/engine/gpu || rc=$?
+  for top_p in 1.0 0.9; do
+    "$PY" -m bench.sampling_gpu --top-p "$top_p" --out "$LOG_DIR/bench" || rc=$?
+  done
+  return "$rc"
+}
+
 graph_check() {
   "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_cuda_graphs.py
   "$PY" "$WORK/graph_timing.py"
@@ -388,7 +399,7 @@ if [[ $DEVICE == cuda ]]; then
 fi
 python3 -V || { echo "no python3 on this machine" >&2; exit 1; }
 export ROOT LOG_DIR PY VENV IMPORTS_CHECK DEVICE
-export -f versions system_torch_has_cuda install bench_module graph_check serving_check
+export -f versions system_torch_has_cuda install bench_module triton_check graph_check serving_check
 if [[ $DEVICE == cuda && -z $PY ]]; then
   step install 240 yes install
   PY="$VENV/bin/python"
@@ -400,7 +411,7 @@ export PY PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" RAY_DEDUP_LOGS=0
 export DISAGG_DTYPES="${DISAGG_DTYPES:-float32$([[ $DEVICE == cuda ]] && echo ' bfloat16')}"
 step versions 60 yes versions
 if [[ $DEVICE == cuda ]]; then
-  step triton 240 no "$PY" -m pytest -q -p no:cacheprovider tests/engine/gpu
+  step triton 300 no triton_check
 else
   skipped triton "dry run: CI runs tests/engine/gpu under Triton's interpreter"
 fi
@@ -443,7 +454,8 @@ if [[ $DEVICE == cuda ]]; then
 else
   skipped parity "dry run: the test suite runs these on cpu"
 fi
-grep -h -E '^(drafts=|requests=|graph_timing|dtype=|serving |c=)' "$LOG_DIR"/greedy.log "$LOG_DIR"/graph.log \
+grep -h -E '^(drafts=|requests=|graph_timing|dtype=|serving |sampling |c=)' "$LOG_DIR"/triton.log \
+  "$LOG_DIR"/greedy.log "$LOG_DIR"/graph.log \
   "$LOG_DIR"/serving.log "$LOG_DIR"/disagg.log 2>/dev/null || true
 print_table
 rm -rf "$WORK"

@@ -123,7 +123,7 @@ def _filtered_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
 
 def match_sample(
-    probs: torch.Tensor, draft_token_ids: Sequence[int], generator: torch.Generator | None,
+    probs: torch.Tensor | None, draft_token_ids: Sequence[int], generator: torch.Generator | None,
     reseed: Callable[[int], None] | None = None, draw: Callable[[int], int] | None = None,
 ) -> list[int]:
     """Speculative verification for a deterministic drafter: draw, then compare.
@@ -143,7 +143,8 @@ def match_sample(
     with probability ``p_i(d_i)`` (as rejection sampling with a one-hot draft
     would), and, seeded by position, the tokens are the ones sequential
     sampling draws: the same whatever the draft length, so a seeded request's
-    output does not depend on speculation.
+    output does not depend on speculation. With ``draw`` (row i's token drawn
+    already, by the counter-based noise) ``probs`` is not read and may be None.
     """
     for i in range(len(draft_token_ids) + 1):
         if draw is not None:  # row i's token drawn already (counter-based): compare only
@@ -155,6 +156,13 @@ def match_sample(
         if i == len(draft_token_ids) or token_id != draft_token_ids[i]:
             return list(draft_token_ids[:i]) + [token_id]
     raise AssertionError("unreachable: the last row always emits")
+
+
+def _counter_draws(scores: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[tuple[int, int]]):
+    """engine.gpu.sampling's counter-based draws of ``scores`` (processed logits), row i keyed by keys[i]
+    = (seed, output index): the device's own sampling, so these rows draw what a decode step would."""
+    return counter_draws(scores, [0.0 if p.is_greedy else p.temperature for p in params], [p.top_k for p in params],
+                         [p.top_p for p in params], [k[0] for k in keys], [k[1] for k in keys])
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -216,12 +224,11 @@ class Sampler:
         scores = processed_logits(logits, params, histories, masks)
         if all(p.is_greedy and p.logprobs is None for p in params):  # the common case: no probabilities needed
             return SampleResult(greedy_token_ids(scores), [None] * len(params))
-        probs = sampling_probs(scores, params)
-        greedy_ids = probs.argmax(dim=-1).tolist()
         if self.counter_draws and keys is not None:  # keys[i]: (seed, output index) of row i
-            drawn = counter_draws(probs, [k[0] for k in keys], [k[1] for k in keys]).tolist()
-            token_ids = [greedy_ids[i] if p.is_greedy else drawn[i] for i, p in enumerate(params)]
+            token_ids = _counter_draws(scores, params, keys).tolist()
         else:
+            probs = sampling_probs(scores, params)
+            greedy_ids = probs.argmax(dim=-1).tolist()
             token_ids = [
                 greedy_ids[i] if p.is_greedy else _draw(probs[i], generators[i])
                 for i, p in enumerate(params)
@@ -268,14 +275,13 @@ class Sampler:
         scores = processed_logits(logits, [params] * (num_drafts + 1), histories, masks)
         if params.is_greedy:
             token_ids = self._verify_greedy(scores, draft_token_ids)
+        elif self.counter_draws and key is not None:
+            keys = [(key[0], key[1] + i) for i in range(num_drafts + 1)]
+            drawn = _counter_draws(scores, [params] * (num_drafts + 1), keys).tolist()
+            token_ids = match_sample(None, draft_token_ids, None, draw=lambda i: drawn[i])
         else:
             probs = sampling_probs(scores, [params] * (num_drafts + 1))
-            if self.counter_draws and key is not None:
-                drawn = counter_draws(probs, [key[0]] * (num_drafts + 1),
-                                      [key[1] + i for i in range(num_drafts + 1)]).tolist()
-                token_ids = match_sample(probs, draft_token_ids, None, draw=lambda i: drawn[i])
-            else:
-                token_ids = match_sample(probs, draft_token_ids, generator, reseed)
+            token_ids = match_sample(probs, draft_token_ids, generator, reseed)
         num_tops = [params.logprobs] * len(token_ids)
         logprobs = _token_logprobs(logits[: len(token_ids)], token_ids, num_tops)
         return VerifyResult(token_ids, len(token_ids) - 1, logprobs)

@@ -17,14 +17,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine.gpu import triton_attention, triton_kv_write
+from engine.gpu import triton_attention, triton_kv_write, triton_sampling
 from engine.gpu.triton_build import is_interpreted, jitted
 
 SM90 = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_sm90(body, pointers: dict, constants: dict, num_warps: int = 4):
+def compile_sm90(body, pointers: dict, constants: dict, num_warps: int = 4, **options):
     """Every ``*_ptr`` argument typed by ``pointers`` (default int32), ``scale`` float32, the rest int64."""
     fn = jitted(body)
     signature = {}
@@ -35,7 +35,7 @@ def compile_sm90(body, pointers: dict, constants: dict, num_warps: int = 4):
             signature[name] = "*" + pointers.get(name, "i32")
         else:
             signature[name] = "fp32" if name == "scale" else "i64"
-    return triton.compile(ASTSource(fn, signature, constants), target=SM90, options={"num_warps": num_warps})
+    return triton.compile(ASTSource(fn, signature, constants), target=SM90, options={"num_warps": num_warps, **options})
 
 
 def resource_usage(kernel) -> dict:
@@ -58,6 +58,20 @@ def decode_usage(dtype: str, group: int, head_dim: int, is_split: bool) -> dict:
     return resource_usage(compile_sm90(triton_attention._decode_body, pointers, constants, num_warps))
 
 
+def sampling_usage(dtype: str, has_cut: bool, num_splits: int) -> dict:
+    """resource_usage plus what the PTX does in float32: ``div_rn`` (IEEE divisions), ``div_approx`` (``/``'s
+    div.full or div.approx), ``fma`` (fused multiply-adds), ``approx_log`` (lg2.approx): the one-pass
+    sampler is bit-exact against torch only with IEEE divisions and nothing fused or approximated."""
+    pointers = dict(logits_ptr=dtype, temperature_ptr="fp32", cut_value_ptr="fp32", out_ptr="i64",
+                    part_max_ptr="fp32")
+    constants = dict(HAS_CUT=has_cut, NUM_SPLITS=num_splits, BLOCK=triton_sampling.BLOCK)
+    kernel = compile_sm90(triton_sampling._sample_body, pointers, constants, enable_fp_fusion=False)
+    ptx = kernel.asm["ptx"]
+    return resource_usage(kernel) | {"div_rn": ptx.count("div.rn.f32"), "fma": ptx.count("fma."),
+                                     "div_approx": ptx.count("div.full") + ptx.count("div.approx"),
+                                     "approx_log": ptx.count("lg2.approx")}
+
+
 def main() -> dict:
     assert not is_interpreted(), "run without TRITON_INTERPRET"
     usage = {f"decode {dtype} G={g} D={d}{' split' if split else ''}": decode_usage(dtype, g, d, split)
@@ -68,6 +82,8 @@ def main() -> dict:
     usage["write_kv"] = resource_usage(compile_sm90(
         triton_kv_write._write_body, dict(cache_ptr="bf16", slot_mapping_ptr="i64", key_ptr="bf16",
                                           value_ptr="bf16"), dict(BLOCK_SIZE=16, WIDTH=8 * 128, BLOCK_W=1024)))
+    usage["sample bf16"] = sampling_usage("bf16", has_cut=False, num_splits=1)
+    usage["sample fp32 cut split"] = sampling_usage("fp32", has_cut=True, num_splits=4)
     return usage
 
 
