@@ -38,6 +38,7 @@ request in the backend on the way out, so no child keeps decoding or holding pag
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -84,8 +85,13 @@ class FanOut:
     """The updates of n child runs as ``(index, update)``, as they arrive; ``async with``, ``async for``.
 
     Each child runs in a task of its own, children 1..n-1 from child 0's first update on (module
-    docstring). Leaving the ``async with`` cancels every task: a child not finished then is aborted
-    by its GenerationRun's exit. An exception a child raised is raised to the consumer.
+    docstring), in a fresh context: under Ray Serve, a call made in a request's context carries that
+    request's internal id, and Serve's router (Ray 2.60) indexes the calls waiting for a replica by
+    that id, so two concurrent calls of one request to one deployment collide and all but one wait
+    unrouted (seen: children 2 and 3 of n=4 never reached the worker). Serve's own cancellation of a
+    request's calls thus does not reach the children; leaving the ``async with`` does: it cancels
+    every task, and a child not finished then is aborted by its GenerationRun's exit. An exception a
+    child raised is raised to the consumer.
     """
 
     def __init__(self, runs: list[GenerationRun]) -> None:
@@ -96,7 +102,8 @@ class FanOut:
         self._num_unfinished = len(runs)
 
     async def __aenter__(self) -> FanOut:
-        self._tasks = [asyncio.create_task(self._drive(i, run)) for i, run in enumerate(self.runs)]
+        self._tasks = [asyncio.get_running_loop().create_task(self._drive(i, run), context=contextvars.Context())
+                       for i, run in enumerate(self.runs)]
         return self
 
     async def _drive(self, index: int, run: GenerationRun) -> None:
