@@ -8,12 +8,14 @@ ignored (docs/openai_fields.md lists each field and its handling):
   ``logit_bias``, ``logprobs`` ...) and vLLM's (``top_k``,
   ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``);
 - honoured: structured outputs (``response_format`` json_object / json_schema,
-  vLLM's ``structured_outputs`` and ``guided_*``: app.structured);
+  vLLM's ``structured_outputs`` and ``guided_*``: app.structured), in every choice;
 - honoured: tool calling (``tools``, ``tool_choice``, ``parallel_tool_calls``,
   ``tool`` messages and assistant ``tool_calls``: app.tools);
+- honoured: ``n`` in [1, MAX_N] (a 400 naming ``n`` outside): n child requests, the
+  prompt prefilled once and shared through the prefix cache (app.choices);
 - a 400 naming the field (``ParamError``, from app.unimplemented's tables)
-  when it asks for what windserve lacks: ``functions``, ``n > 1``,
-  ``best_of``, ``echo``, ``suffix``, ``audio`` ..., and non-text content parts;
+  when it asks for what windserve lacks: ``functions``, ``best_of``, ``echo``,
+  ``suffix``, ``audio`` ..., and non-text content parts;
 - ignored: fields that cannot change the tokens (``user``, ``metadata``,
   ``store``, ``service_tier`` ...) and any unknown field. ``null`` means
   "the default", as clients that serialize every optional field expect.
@@ -66,6 +68,7 @@ Text = Annotated[str, AfterValidator(_encodable)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 MAX_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_N = 16  # choices per request: each is a child request holding its own decode pages
 
 
 class ParamError(ValueError):
@@ -97,7 +100,7 @@ class SamplingFields(BaseModel):
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list)  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)  # n > 1: app.choices
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)
@@ -147,13 +150,6 @@ class SamplingFields(BaseModel):
         if any(not s for s in strings):
             raise ValueError("stop strings must be non-empty")
         return stop
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @property
     def include_usage(self) -> bool:

@@ -7,6 +7,7 @@ import uuid
 
 from fastapi import APIRouter, Request, Response
 
+from app.choices import respond_choices
 from app.errors import bad_request
 from app.generation import GenerationRun, ServingContext
 from app.protocol import ChatCompletionRequest
@@ -100,8 +101,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = ctx.sampling_params(body, len(prompt_token_ids), param="messages")
     await ctx.check_grammar(body, params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+    def formatter() -> ChatFormatter | ToolReplyFormatter:
+        chat = ChatFormatter(ctx, request_id, with_logprobs=body.logprobs)
+        if not body.rendered_tools:  # tool_choice "none": neither rendered nor parsed
+            return chat
+        return ToolReplyFormatter(chat, frozenset(tool.function.name for tool in body.rendered_tools))
+
+    if body.n > 1:
+        return await respond_choices(request, ctx, request_id, prompt_token_ids, params, body, formatter)
     run = GenerationRun(ctx, request_id, prompt_token_ids, params)
-    formatter = ChatFormatter(ctx, request_id, with_logprobs=body.logprobs)
-    if body.rendered_tools:  # tool_choice "none": neither rendered nor parsed
-        formatter = ToolReplyFormatter(formatter, frozenset(tool.function.name for tool in body.rendered_tools))
-    return await respond(request, run, formatter, stream=body.stream, include_usage=body.include_usage)
+    return await respond(request, run, formatter(), stream=body.stream, include_usage=body.include_usage)

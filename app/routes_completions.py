@@ -7,6 +7,7 @@ import uuid
 
 from fastapi import APIRouter, Request, Response
 
+from app.choices import respond_choices
 from app.errors import bad_request
 from app.generation import GenerationRun, ServingContext
 from app.protocol import CompletionRequest, ParamError
@@ -102,6 +103,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     params = ctx.sampling_params(body, len(prompt_token_ids), param="prompt")
     await ctx.check_grammar(body, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    with_logprobs = body.logprobs is not None
+    if body.n > 1:
+        return await respond_choices(request, ctx, request_id, prompt_token_ids, params, body,
+                                     lambda: CompletionFormatter(ctx, request_id, with_logprobs=with_logprobs))
     run = GenerationRun(ctx, request_id, prompt_token_ids, params)
     formatter = CompletionFormatter(ctx, request_id, with_logprobs=body.logprobs is not None)
     return await respond(request, run, formatter, stream=body.stream, include_usage=body.include_usage)

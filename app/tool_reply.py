@@ -44,6 +44,14 @@ class ToolReplyFormatter:
         self.parser = ToolCallParser(tool_names)
         self.num_calls = 0  # streamed so far
 
+    @property
+    def created(self) -> int:
+        return self.chat.created
+
+    @created.setter
+    def created(self, value: int) -> None:  # app.choices stamps every choice with the first one's
+        self.chat.created = value
+
     def stream_start(self) -> list[dict]:
         """The role chunk with ``content: null`` (OpenAI's, when calls may follow): a reply of calls only
         assembles to ``content`` None, as it is whole."""

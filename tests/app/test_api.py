@@ -154,7 +154,7 @@ def test_chat_logprobs(client):
 @pytest.mark.parametrize(
     "kwargs, param, needle",
     [
-        ({"prompt": "x", "n": 2}, "n", "n=1"),
+        ({"prompt": "x", "n": 17}, "n", "less than or equal to 16"),
         ({"prompt": ["a", "b"]}, "prompt", "one prompt"),
         ({"prompt": ""}, "prompt", "empty"),
         ({"prompt": "x", "max_tokens": -1}, "max_tokens", ""),
@@ -261,7 +261,7 @@ def test_metrics_exposition(make_server):
     client = openai_client(live.url)
     client.completions.create(model=MODEL, prompt="x", max_tokens=5)
     list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, stream=True))
-    httpx.post(f"{live.url}/v1/completions", json={"prompt": "x", "n": 3})
+    httpx.post(f"{live.url}/v1/completions", json={"prompt": "x", "n": 17})
     text = httpx.get(f"{live.url}/metrics").text
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

@@ -33,7 +33,7 @@ TINY = "windserve-tiny"
     ("guided_whitespace_pattern", " *"),
     ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy", "format": "wav"}),
-    ("n", 2),
+    ("n", 17),
     ("best_of", 2),
     ("echo", True),
     ("min_p", 0.1),
@@ -45,7 +45,7 @@ def test_a_chat_field_that_would_change_the_answer_is_a_400_naming_it(client, fi
     assert info.value.status_code == 400 and info.value.param == field
 
 
-@pytest.mark.parametrize("field, value", [("suffix", "tail"), ("best_of", 3), ("n", 2),
+@pytest.mark.parametrize("field, value", [("suffix", "tail"), ("best_of", 3), ("n", 17),
                                          ("guided_whitespace_pattern", " *")])
 def test_a_completion_field_that_would_change_the_answer_is_a_400_naming_it(client, field, value):
     with pytest.raises(openai.BadRequestError) as info:

@@ -238,3 +238,22 @@ def test_fuzzed_tool_fields_never_500(roomy_http, body):
         assert error["type"] == "invalid_request_error" and error["param"] and error["message"]
     else:
         assert "Internal server error" not in reply.text
+
+
+@needs_smollm2
+def test_every_choice_of_n_carries_its_own_validated_call(clients):
+    """n = 3, seeded, a named tool: each choice is parsed on its own (its index, its call id), whole and
+    streamed alike, and each call's arguments validate."""
+    fields = dict(model=SMOLLM2_NAME, messages=ASK, tools=TOOLS, tool_choice=NAMED, parallel_tool_calls=False,
+                  n=3, seed=11, temperature=0.9, max_tokens=96)
+    whole = clients["agg"].chat.completions.create(**fields)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        [(name, arguments)] = calls_of(choice.message)
+        assert name == "get_time"
+        jsonschema.validate(arguments, SCHEMAS[name])
+    assert len({call.id for choice in whole.choices for call in choice.message.tool_calls}) == 3
+    with clients["agg"].chat.completions.stream(**fields) as stream:
+        streamed = stream.get_final_completion()
+    assert [calls_of(c.message) for c in streamed.choices] == [calls_of(c.message) for c in whole.choices]
