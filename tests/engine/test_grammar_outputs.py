@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
+from bench.structured_schemas import answer
 from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from engine.grammar import GrammarSpec
 from engine.model_registry import SMOLLM2_INSTALL, SMOLLM2_NAME
@@ -62,26 +63,13 @@ def prompt(engine: LLMEngine) -> list[int]:
     return engine.tokenizer.apply_chat_template([{"role": "user", "content": "Write a short JSON example."}])
 
 
-def answer_all(engine: LLMEngine, batch: list[tuple[dict, SamplingParams]]) -> list[tuple[str, FinishReason]]:
-    for i, (_, params) in enumerate(batch):
-        engine.add_request(f"s{i}", prompt(engine), params)
-    texts, reasons = [""] * len(batch), [None] * len(batch)
-    while engine.has_unfinished():
-        for update in engine.step():
-            i = int(update.request_id[1:])
-            texts[i] += update.new_text
-            reasons[i] = update.finish_reason
-    assert engine.manager.num_free_pages() == engine.manager.num_total_pages()
-    return list(zip(texts, reasons))
-
-
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(st.lists(schemas, min_size=4, max_size=4), st.integers(0, 2**31))
 def test_every_output_that_stops_validates(engine, batch, seed):
     params = [SamplingParams(max_tokens=MAX_TOKENS, grammar=GrammarSpec.json_schema(schema),
                              **({"temperature": 0.7, "seed": seed + i} if i % 2 else {}))
               for i, schema in enumerate(batch)]
-    for schema, (text, reason) in zip(batch, answer_all(engine, list(zip(batch, params)))):
+    for schema, (text, reason) in zip(batch, answer(engine, prompt(engine), list(zip(batch, params)))):
         note(f"{json.dumps(schema)} -> {reason}: {text!r}")
         assert reason in (FinishReason.STOP, FinishReason.LENGTH)
         if reason == FinishReason.STOP:
